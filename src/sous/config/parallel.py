@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Tensor parallel ranks."""
+    pipeline_parallel_size: int = 1
+    """Pipeline parallel stages."""
+    data_parallel_size: int = 1
+    """Data parallel engine replicas."""
+    data_parallel_rank: int | None = None
+    """This process's data parallel rank (external launcher mode)."""
+    data_parallel_address: str | None = None
+    """Address of the data parallel coordinator."""
+    data_parallel_rpc_port: int | None = None
+    """RPC port of the data parallel coordinator."""
+    enable_expert_parallel: bool = False
+    """Shard MoE experts across data/tensor parallel ranks instead of tensor-splitting them."""
+    worker_multiproc_method: Literal["spawn", "fork"] = "fork"
+    """How worker processes are started (from the environment variable
+    VLLM_WORKER_MULTIPROC_METHOD, as in vLLM; not a flag)."""

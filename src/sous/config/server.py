@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """OpenAI-server settings (the engine's are in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = 8000
+    """Port to bind."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer <key>` on /v1 endpoints (also read from VLLM_API_KEY)."""
+    uvicorn_log_level: str = "info"
+    """uvicorn log level."""
+    disable_log_requests: bool = False
+    """Do not log each request."""
+    max_log_len: int | None = None
+    """Longest prompt text/ids logged per request."""
+    enable_auto_tool_choice: bool = False
+    """Let the model choose tool calls (needs --tool-call-parser)."""
+    tool_call_parser: str | None = None
+    """Tool-call parser name."""
+    reasoning_parser: str | None = None
+    """Reasoning parser name."""
+    response_role: str = "assistant"
+    """Role of the generated chat message."""

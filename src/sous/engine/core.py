@@ -1,0 +1,159 @@
+"""EngineCore: model + KV cache + scheduler + runner + output processor, stepped by a caller.
+
+Not thread-safe: exactly one thread (the offline `LLM` caller, or `AsyncLLM`'s engine thread)
+calls its methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from sous.config.engine import EngineConfig
+from sous.engine.kv_cache.manager import KVCacheManager
+from sous.engine.kv_cache.sizing import (
+    activation_bytes_estimate,
+    check_max_model_len_fits,
+    num_kv_blocks,
+)
+from sous.engine.output_processor import OutputProcessor, Sink
+from sous.engine.request import Request, RequestStatus
+from sous.engine.runner import ModelRunner
+from sous.engine.sampling_params import SamplingParams
+from sous.engine.scheduler import Scheduler, SchedulerStats
+from sous.models.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine.")
+    return torch.device(name)
+
+
+def resolve_max_model_len(requested: int | None, native: int) -> int:
+    if requested is None:
+        return native
+    if requested > native:
+        raise ValueError(
+            f"User-specified max_model_len ({requested}) is greater than the derived "
+            f"max_model_len (max_position_embeddings={native} in the model's config).")
+    return requested
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        start = time.monotonic()
+        self.loaded = loaded or load_model(config.model, config.load, self.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = resolve_max_model_len(
+            config.model.max_model_len, self.loaded.max_position_embeddings)
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        cache = config.cache
+        spec = self.loaded.model.kv_cache_spec()
+        hf = self.loaded.hf_config
+        act = activation_bytes_estimate(hf.hidden_size, hf.vocab_size,
+                                        config.scheduler.max_num_batched_tokens,
+                                        config.scheduler.max_num_seqs)
+        num_blocks = num_kv_blocks(cache, spec, self.device, act)
+        check_max_model_len_fits(num_blocks, cache.block_size, self.max_model_len)
+        kv_caches = spec.allocate(num_blocks, cache.block_size, self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %d B/token) on %s; "
+            "max_model_len %d; engine ready in %.1f s",
+            num_blocks, cache.block_size, (num_blocks - 1) * cache.block_size,
+            num_blocks * spec.page_bytes(cache.block_size) / 2**30, spec.bytes_per_token,
+            self.device, self.max_model_len, time.monotonic() - start)
+        self.num_blocks = num_blocks
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
+                                               cache.enable_prefix_caching,
+                                               cache.prefix_caching_hash_algo)
+        sched_config = replace(config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched_config, self.kv_cache_manager)
+        self.runner = ModelRunner(self.loaded.model, kv_caches, cache.block_size, self.device,
+                                  seed=config.model.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model; returns the resolved max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("The prompt cannot be empty.")
+        if n > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {n}) is longer than the maximum model length of "
+                f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the "
+                "number of text tokens.")
+        vocab = self.loaded.hf_config.vocab_size
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise ValueError(f"Token id out of vocabulary (size {vocab}) in the prompt.")
+        room = self.max_model_len - n
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {params.max_tokens + n} tokens ({n} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.")
+        return params.max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    sink: Sink, prompt: str | None = None) -> None:
+        max_tokens = self.validate(prompt_token_ids, params)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            child_id = request_id
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = params.clone(n=1, seed=seed)
+                child_id = f"{i}_{request_id}"
+            children.append(Request(child_id, list(prompt_token_ids), child_params,
+                                    self.eos_token_ids, max_tokens))
+        self.output_processor.add_request(request_id, prompt, children, sink)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort user requests (parent ids): frees their KV blocks; no further output."""
+        child_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self.runner.remove_requests(child_ids)
+        for rid in request_ids:
+            self.output_processor.remove(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> int:
+        """One schedule -> forward -> update cycle. Returns the number of tokens computed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return 0
+        runner_out = self.runner.execute_model(out)
+        produced = self.scheduler.update_from_output(out, runner_out.sampled_token_ids)
+        stopped = self.output_processor.process(produced, runner_out.logprobs)
+        if stopped:
+            self.scheduler.finish_requests([r.request_id for r in stopped],
+                                           RequestStatus.FINISHED_STOPPED)
+        done = [r.request_id for r, _ in produced if r.is_finished()]
+        if done:
+            self.runner.remove_requests(done)
+        return out.total_num_scheduled_tokens
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
