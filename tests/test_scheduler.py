@@ -1,0 +1,141 @@
+"""Scheduler arithmetic without a model: budgets, chunked prefill, preemption, stop checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from sous.config.scheduler import SchedulerConfig
+from sous.engine.kv_cache.manager import KVCacheManager
+from sous.engine.request import Request, RequestStatus
+from sous.engine.sampling_params import SamplingParams
+from sous.engine.scheduler import Scheduler
+
+EOS = 0
+
+
+@pytest.fixture(autouse=True)
+def _seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 16,
+                   max_seqs: int = 8, caching: bool = True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=256), kv)
+
+
+def req(rid: str, n: int, max_tokens: int = 4, first: int = 1, **kw: object) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    return Request(rid, list(range(first, first + n)), params, frozenset({EOS}), max_tokens)
+
+
+def fake_step(s: Scheduler, token: int = 7) -> dict[str, int]:
+    out = s.schedule()
+    sampled = {x.request.request_id: [token] for x in out.scheduled if x.samples}
+    s.update_from_output(out, sampled)
+    return {x.request.request_id: x.num_scheduled_tokens for x in out.scheduled}
+
+
+def test_chunked_prefill_then_decode() -> None:
+    s = make_scheduler(budget=16)
+    r = req("a", 40)
+    s.add_request(r)
+    assert fake_step(s) == {"a": 16}
+    assert r.num_output_tokens == 0
+    assert fake_step(s) == {"a": 16}
+    assert fake_step(s) == {"a": 8}
+    assert r.output_token_ids == [7]
+    assert fake_step(s) == {"a": 1}
+    assert r.num_computed_tokens == 41
+
+
+def test_budget_shared_running_first() -> None:
+    s = make_scheduler(budget=10)
+    a, b = req("a", 6), req("b", 6, first=100)
+    s.add_request(a)
+    s.add_request(b)
+    assert fake_step(s) == {"a": 6, "b": 4}
+    assert fake_step(s) == {"a": 1, "b": 2}
+
+
+def test_max_num_seqs() -> None:
+    s = make_scheduler(budget=100, max_seqs=2)
+    for i in range(3):
+        s.add_request(req(str(i), 3))
+    assert set(fake_step(s)) == {"0", "1"}
+    assert len(s.waiting) == 1
+
+
+def test_finishes_on_max_tokens_and_frees() -> None:
+    s = make_scheduler()
+    r = req("a", 5, max_tokens=2)
+    s.add_request(r)
+    fake_step(s)
+    fake_step(s)
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert not s.has_unfinished_requests()
+    assert s.kv.usage() == 0.0
+
+
+def test_eos_and_min_tokens_and_stop_token_ids() -> None:
+    s = make_scheduler()
+    r = req("a", 3, max_tokens=10, min_tokens=2)
+    s.add_request(r)
+    fake_step(s, token=EOS)  # ignored: min_tokens not reached
+    assert not r.is_finished()
+    fake_step(s, token=EOS)
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None
+    s2 = make_scheduler()
+    r2 = req("b", 3, max_tokens=10, stop_token_ids=[9])
+    s2.add_request(r2)
+    fake_step(s2, token=9)
+    assert r2.status == RequestStatus.FINISHED_STOPPED and r2.stop_reason == 9
+
+
+def test_preemption_by_recompute() -> None:
+    # 6 usable blocks of 4 tokens. Two requests of 8 prompt tokens take 4 blocks; decoding
+    # grows them until one must be preempted.
+    s = make_scheduler(num_blocks=7, block_size=4, budget=32, caching=False)
+    a, b = req("a", 8, max_tokens=12), req("b", 8, max_tokens=12)
+    s.add_request(a)
+    s.add_request(b)
+    fake_step(s)
+    for _ in range(4):
+        fake_step(s)  # both cross into a 3rd block: 6 blocks used
+    assert s.kv.pool.num_free_blocks == 0
+    for _ in range(4):
+        fake_step(s)
+    assert b.status == RequestStatus.PREEMPTED or b.num_preemptions >= 1
+    assert s.num_preemptions >= 1
+    assert b in s.waiting or b in s.running
+    # Everything finishes eventually and all blocks come back.
+    for _ in range(200):
+        if not s.has_unfinished_requests():
+            break
+        fake_step(s)
+    assert a.num_output_tokens == 12 and b.num_output_tokens == 12
+    assert s.kv.pool.num_free_blocks == 6
+
+
+def test_abort_frees_blocks() -> None:
+    s = make_scheduler()
+    r = req("a", 10)
+    s.add_request(r)
+    fake_step(s)
+    assert s.kv.usage() > 0
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert r.status == RequestStatus.FINISHED_ABORTED
+    assert s.kv.usage() == 0.0 and not s.has_unfinished_requests()
+
+
+def test_prefix_hit_sets_num_cached_tokens() -> None:
+    s = make_scheduler(budget=64)
+    a = req("a", 12, max_tokens=1)
+    s.add_request(a)
+    fake_step(s)
+    assert a.is_finished() and a.num_cached_tokens == 0
+    b = req("b", 12, max_tokens=1)
+    s.add_request(b)
+    assert fake_step(s) == {"b": 4}
+    assert b.num_cached_tokens == 8
