@@ -5,12 +5,12 @@ Each field's docstring (the string literal right after it) becomes the flag's
 """
 
 from sous.config.cache import CacheConfig
+from sous.config.engine import EngineConfig
 from sous.config.load import LoadConfig
 from sous.config.model import ModelConfig
 from sous.config.parallel import ParallelConfig
 from sous.config.scheduler import SchedulerConfig
 from sous.config.server import ServerConfig
-from sous.config.engine import EngineConfig
 
 __all__ = [
     "CacheConfig",

@@ -12,7 +12,8 @@ from sous.config.scheduler import SchedulerConfig
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs, grouped by area. Built by `EngineArgs.create_engine_config`."""
+    """Everything the engine needs, grouped by area. Built by `sous.config.engine_args`
+    (from `sous serve` flags or `LLM(...)` keyword arguments)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

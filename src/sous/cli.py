@@ -1,0 +1,88 @@
+"""The `sous` command: serve | bench serve | recipe | route.
+
+`sous serve [MODEL] [vLLM flags]` parses with `sous.config.engine_args` and starts
+`sous.server.api_server.run_server`; `sous bench serve` is the load generator in
+`sous.bench.serve`. Heavy modules (torch, the server) are imported only by the
+subcommand that needs them, so `sous --help` and flag errors are fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import sous
+
+__all__ = ["main"]
+
+_SUBCOMMANDS = {
+    "serve": "OpenAI-compatible server (vLLM flags); `sous serve --help` lists them.",
+    "bench": "`sous bench serve`: load generator against any OpenAI-compatible server.",
+    "recipe": "Read, plan, check and launch vendor deployment recipes (not implemented yet).",
+    "route": "Router in front of several servers (not implemented yet).",
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sous", description="A vLLM-compatible serving engine and OpenAI server.")
+    parser.add_argument("--version", action="version", version=f"sous {sous.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in _SUBCOMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+
+
+def _serve(argv: list[str]) -> int:
+    from sous.config.engine_args import parse_serve_args
+
+    _setup_logging()
+    engine_config, server_config = parse_serve_args(argv)
+    from sous.server.api_server import run_server
+
+    run_server(engine_config, server_config)
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: sous bench serve [options]\n\n"
+              "Subcommands:\n  serve  " + _SUBCOMMANDS["bench"].split(": ", 1)[1])
+        return 0 if argv else 2
+    if argv[0] != "serve":
+        print(f"sous bench: error: unknown benchmark {argv[0]!r} (available: serve)",
+              file=sys.stderr)
+        return 2
+    from sous.bench.serve import main as bench_serve_main
+
+    return bench_serve_main(argv[1:])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `sous` console script; returns the exit status (errors in
+    arguments raise SystemExit(2))."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (args[0], args[1:]) if args else (None, [])
+    if command == "serve":
+        return _serve(rest)
+    if command == "bench":
+        return _bench(rest)
+    if command in ("recipe", "route"):
+        print(f"sous {command}: not implemented yet", file=sys.stderr)
+        return 2
+    parser = _top_parser()
+    parser.parse_args(args)  # --help, --version and errors exit here
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,439 @@
+"""vLLM-compatible flags for `sous serve`, built from the frozen config dataclasses.
+
+Every field of ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoadConfig,
+EngineConfig (its scalar fields) and ServerConfig becomes `--field-name`; the field's
+docstring is the flag's help, `Literal[...]` gives the choices, bools get `--x/--no-x`.
+Names, defaults and meanings follow vLLM. Flags sous parses but does not implement yet are
+listed in ONE table, `NOT_SUPPORTED_YET`: start-up exits with status 2 naming each of them
+(nothing is silently ignored). Delete a row when the feature lands.
+
+Public API: `make_serve_parser`, `parse_serve_args`, `engine_config_from_kwargs`,
+`human_readable_int`, `NOT_SUPPORTED_YET`, `NotSupportedYetError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import functools
+import logging
+import os
+import sys
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, NoReturn
+
+from sous.config import (
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+from sous.config.flag_utils import (
+    at_least,
+    class_doc,
+    field_docs,
+    human_readable_int,
+    parse_float,
+    parse_int,
+    parse_json_object,
+    parse_max_model_len,
+    unwrap_optional,
+)
+
+__all__ = [
+    "NOT_SUPPORTED_YET",
+    "NotSupportedYetError",
+    "NotYet",
+    "engine_config_from_kwargs",
+    "human_readable_int",
+    "make_serve_parser",
+    "parse_serve_args",
+]
+
+logger = logging.getLogger(__name__)
+
+# (config class, attribute of EngineConfig holding it; None: EngineConfig itself or server)
+_GROUPS: tuple[tuple[type, str | None], ...] = (
+    (ModelConfig, "model"),
+    (CacheConfig, "cache"),
+    (SchedulerConfig, "scheduler"),
+    (ParallelConfig, "parallel"),
+    (LoadConfig, "load"),
+    (EngineConfig, None),
+    (ServerConfig, None),
+)
+# Fields that are not flags: derived values and settings vLLM takes from the environment.
+_NOT_FLAGS = {
+    (SchedulerConfig, "max_model_len"),  # copied from --max-model-len
+    (ParallelConfig, "worker_multiproc_method"),  # VLLM_WORKER_MULTIPROC_METHOD
+    (EngineConfig, "engine_ready_timeout_s"),  # VLLM_ENGINE_READY_TIMEOUT_S
+}
+_EXTRA_CHOICES: dict[str, tuple[str, ...]] = {
+    "device": ("auto", "cpu", "cuda"),
+    "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),
+}
+_ALIASES: dict[str, dict[str, str]] = {"dtype": {"half": "float16", "float": "float32"}}
+_OFFLINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 8192}  # vLLM's LLM class
+
+
+# ----------------------------------------------------------------------------- values
+
+_HUMAN_INTS = {"max_num_batched_tokens", "kv_cache_memory_bytes"}
+_HUMAN_INT_HELP = ("Accepts k/m/g/t (x1000) and K/M/G/T, Ki/Mi/Gi/Ti, KiB/MiB/GiB/TiB "
+                   "(x1024) suffixes, e.g. 32k, 4GiB.")
+_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "block_size": at_least(1),
+    "gpu_memory_utilization": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
+    "kv_cache_memory_bytes": at_least(1),
+    "num_gpu_blocks_override": at_least(1),
+    "max_model_len": at_least(1),
+    "max_num_seqs": at_least(1),
+    "max_num_batched_tokens": at_least(1),
+    "long_prefill_token_threshold": at_least(0),
+    "tensor_parallel_size": at_least(1),
+    "pipeline_parallel_size": at_least(1),
+    "data_parallel_size": at_least(1),
+    "data_parallel_rank": at_least(0),
+    "data_parallel_rpc_port": lambda v: None if v is None or 0 < v < 65536 else "not a port",
+    "port": lambda v: None if 0 <= v < 65536 else "not a port",
+    "max_log_len": at_least(0),
+}
+
+
+# ----------------------------------------------------------------------------- not yet
+
+
+class NotYet(NamedTuple):
+    """One row of the not-supported-yet table: `when(value)` true means refuse."""
+
+    field: str
+    when: Callable[[Any], bool]
+    flag: str
+    reason: str
+
+
+_DP = "sous runs one engine (data parallel serving is planned)"
+NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
+    NotYet("tensor_parallel_size", lambda v: v > 1, "--tensor-parallel-size",
+           "sous runs one engine process on one device"),
+    NotYet("pipeline_parallel_size", lambda v: v > 1, "--pipeline-parallel-size",
+           "sous runs one engine process on one device"),
+    NotYet("data_parallel_size", lambda v: v > 1, "--data-parallel-size", _DP),
+    NotYet("data_parallel_rank", lambda v: v is not None, "--data-parallel-rank", _DP),
+    NotYet("data_parallel_address", lambda v: v is not None, "--data-parallel-address", _DP),
+    NotYet("data_parallel_rpc_port", lambda v: v is not None, "--data-parallel-rpc-port", _DP),
+    NotYet("enable_expert_parallel", bool, "--enable-expert-parallel",
+           "expert parallelism needs several ranks"),
+    NotYet("kv_cache_dtype", lambda v: v != "auto", "--kv-cache-dtype",
+           "the KV cache is kept in the model dtype (only `auto`)"),
+    NotYet("enable_chunked_prefill", lambda v: not v, "--no-enable-chunked-prefill",
+           "the scheduler always chunks prefills"),
+    NotYet("model_impl", lambda v: v == "transformers", "--model-impl",
+           "sous runs its own model implementations (`auto`/`vllm`)"),
+    NotYet("kv_transfer_config", lambda v: v is not None, "--kv-transfer-config",
+           "KV connectors (offload, P/D transfer) are planned"),
+    NotYet("kv_events_config", lambda v: v is not None, "--kv-events-config",
+           "KV cache events are planned"),
+    NotYet("speculative_config", lambda v: v is not None, "--speculative-config",
+           "speculative decoding is planned"),
+    NotYet("enable_auto_tool_choice", bool, "--enable-auto-tool-choice",
+           "tool calling is planned"),
+    NotYet("tool_call_parser", lambda v: v is not None, "--tool-call-parser",
+           "tool calling is planned"),
+    NotYet("reasoning_parser", lambda v: v is not None, "--reasoning-parser",
+           "reasoning parsing is planned"),
+)
+
+
+class NotSupportedYetError(ValueError):
+    """Raised by `engine_config_from_kwargs` for settings sous does not implement yet."""
+
+
+def _not_yet_messages(values: Mapping[str, Any], *, as_kwargs: bool = False) -> list[str]:
+    out = []
+    for row in NOT_SUPPORTED_YET:
+        if row.field in values and row.when(value := values[row.field]):
+            name = f"{row.field}={value!r}" if as_kwargs else row.flag
+            got = "" if as_kwargs or isinstance(value, bool) else f" (got {value!r})"
+            out.append(f"`{name}` is not supported yet{got}: {row.reason}.")
+    return out
+
+
+# ----------------------------------------------------------------------------- fields
+
+
+class _Field(NamedTuple):
+    name: str  # field name = argparse dest = keyword argument
+    owner: type
+    flag: str
+    help: str
+    default: Any
+    base: Any  # the annotation with Optional removed
+    optional: bool
+
+
+@functools.cache
+def _fields() -> tuple[_Field, ...]:
+    """All flag fields of all groups, in group order; checks names are unique."""
+    out: list[_Field] = []
+    for cls, _ in _GROUPS:
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            base, optional = unwrap_optional(hints[f.name])
+            if (cls, f.name) in _NOT_FLAGS or dataclasses.is_dataclass(base):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            flag = "--" + f.name.replace("_", "-")
+            out.append(_Field(f.name, cls, flag, docs.get(f.name, ""), default, base, optional))
+    names = [f.name for f in out]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise RuntimeError(f"config fields map to the same flag: {sorted(dupes)}")
+    return tuple(out)
+
+
+def _converter(f: _Field) -> Callable[[str], Any]:
+    """str -> value for one field (raises ValueError with a readable reason)."""
+    if f.name == "max_model_len":
+        return parse_max_model_len
+    if f.name in _HUMAN_INTS:
+        return human_readable_int
+    if f.base is int:
+        return parse_int
+    if f.base is float:
+        return parse_float
+    if typing.get_origin(f.base) is dict:
+        return parse_json_object
+    aliases = _ALIASES.get(f.name, {})
+    return lambda s: aliases.get(s, s)
+
+
+def _checked(f: _Field, value: Any) -> Any:
+    check = _CHECKS.get(f.name)
+    problem = check(value) if check else None
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _choices(f: _Field) -> tuple[Any, ...] | None:
+    if typing.get_origin(f.base) is Literal:
+        return typing.get_args(f.base)
+    return _EXTRA_CHOICES.get(f.name)
+
+
+def _help(f: _Field) -> str:
+    text = f.help
+    if f.name in _HUMAN_INTS or f.name == "max_model_len":
+        text += " " + _HUMAN_INT_HELP
+    if f.name == "max_model_len":
+        text += " `auto` or -1: the model's context length."
+    rows = [r for r in NOT_SUPPORTED_YET if r.field == f.name]
+    if rows:
+        text += " [Not supported yet: " + "; ".join(r.reason for r in rows) + ".]"
+    return text.replace("%", "%%")
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+class _ServeParser(argparse.ArgumentParser):
+    """Exit 2 on errors, naming the flag; suggests close matches for unknown flags."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            known = [s for a in self._actions for s in a.option_strings]
+            hints = []
+            for token in message.split(":", 1)[1].split():
+                if token.startswith("--"):
+                    close = difflib.get_close_matches(token.split("=")[0], known, n=3)
+                    if close:
+                        hints.append(f"{token}: did you mean {' or '.join(close)}?")
+            if hints:
+                message += "\n" + "\n".join(hints)
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=40)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def make_serve_parser(prog: str = "sous serve") -> argparse.ArgumentParser:
+    """The `sous serve [MODEL] [flags]` parser: one group per config dataclass."""
+    parser = _ServeParser(
+        prog=prog, formatter_class=_HelpFormatter, allow_abbrev=False,
+        description="Start the OpenAI-compatible server (vLLM's `vllm serve` flags). "
+        "Environment: VLLM_API_KEY (api key fallback), VLLM_ENGINE_READY_TIMEOUT_S, "
+        "VLLM_WORKER_MULTIPROC_METHOD (spawn|fork).")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                        help="Model folder or GGUF file (default: the bundled "
+                        "SmolLM2-135M-Instruct). Same as --model.")
+    groups = {cls: parser.add_argument_group(cls.__name__, class_doc(cls)) for cls, _ in _GROUPS}
+    for f in _fields():
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
+        if f.base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            conv = _converter(f)
+
+            def parse(text: str, f: _Field = f, conv: Callable[[str], Any] = conv) -> Any:
+                try:
+                    return _checked(f, conv(text))
+                except ValueError as e:
+                    raise argparse.ArgumentTypeError(f"invalid value {text!r}: {e}") from None
+
+            kwargs["type"] = parse
+            kwargs["choices"] = _choices(f)
+            kwargs["metavar"] = "{" + ",".join(map(str, kwargs["choices"])) + "}" \
+                if kwargs["choices"] else f.name.upper()
+        groups[f.owner].add_argument(f.flag, **kwargs)
+    return parser
+
+
+def _normalize(argv: Sequence[str]) -> list[str]:
+    """vLLM accepts underscores in flag names: `--max_model_len` == `--max-model-len`."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, value = arg.partition("=")
+            arg = key.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Settings vLLM reads from the environment (ValueError naming the variable)."""
+    out: dict[str, Any] = {}
+    raw = environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "").strip()
+    if raw:
+        try:
+            out["engine_ready_timeout_s"] = float(raw)
+        except ValueError:
+            out["engine_ready_timeout_s"] = -1.0
+        if not out["engine_ready_timeout_s"] > 0:
+            raise ValueError(f"VLLM_ENGINE_READY_TIMEOUT_S={raw!r}: expected seconds > 0")
+    raw = environ.get("VLLM_WORKER_MULTIPROC_METHOD", "").strip()
+    if raw:
+        if raw not in ("spawn", "fork"):
+            raise ValueError(f"VLLM_WORKER_MULTIPROC_METHOD={raw!r}: expected spawn or fork")
+        out["worker_multiproc_method"] = raw
+    return out
+
+
+def _build(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig]:
+    """Group flat field values into (EngineConfig, ServerConfig); missing ones default."""
+
+    def make(cls: type, **extra: Any) -> Any:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names and k not in extra}, **extra)
+
+    max_len = values.get("max_model_len")
+    sched = {} if max_len is None else {"max_model_len": max_len}
+    subs = {attr: make(cls, **(sched if cls is SchedulerConfig else {}))
+            for cls, attr in _GROUPS if attr}
+    return make(EngineConfig, **subs), make(ServerConfig)
+
+
+def _log_notes(values: Mapping[str, Any]) -> None:
+    """Flags that are accepted with a documented, logged meaning instead of an effect."""
+    if values.get("trust_remote_code"):
+        logger.warning("--trust-remote-code: sous runs only its own model code, never code "
+                       "shipped with a checkpoint; the flag has no further effect.")
+    if values.get("download_dir"):
+        logger.warning("--download-dir: sous never downloads models; pass a local folder "
+                       "or GGUF file as MODEL.")
+
+
+def parse_serve_args(
+    argv: Sequence[str], environ: Mapping[str, str] | None = None
+) -> tuple[EngineConfig, ServerConfig]:
+    """Parse `sous serve` arguments (without the `serve` word) into configs.
+
+    Errors (unknown flag, malformed value, not-supported-yet flag, bad environment
+    variable) print a message naming the flag to stderr and raise SystemExit(2)."""
+    environ = os.environ if environ is None else environ
+    parser = make_serve_parser()
+    values = vars(parser.parse_args(_normalize(argv)))
+    model_tag = values.pop("model_tag")
+    if model_tag is not None:
+        if values["model"] is not None and values["model"] != model_tag:
+            parser.error(f"MODEL given twice: {model_tag!r} and --model {values['model']!r}")
+        values["model"] = model_tag
+    elif values["model"] is not None:
+        logger.warning("--model is deprecated in vLLM; pass the model as the first argument.")
+    try:
+        values.update(_env_values(environ))
+    except ValueError as e:
+        parser.error(str(e))
+    if values["api_key"] is None and environ.get("VLLM_API_KEY"):
+        values["api_key"] = environ["VLLM_API_KEY"]
+    problems = _not_yet_messages(values)
+    if problems:
+        parser.exit(2, "".join(f"{parser.prog}: error: {p}\n" for p in problems))
+    _log_notes(values)
+    return _build(values)
+
+
+def _coerce(f: _Field, value: Any) -> Any:
+    """A Python keyword value -> the field's value (ValueError/TypeError naming nothing)."""
+    if value is None:
+        if f.optional or f.name == "max_model_len":
+            return None
+        raise TypeError("None is not allowed")
+    if f.base is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"expected a bool, got {type(value).__name__}")
+        return value
+    if isinstance(value, str):
+        value = _converter(f)(value)
+    elif isinstance(value, os.PathLike) and f.base is str:
+        value = os.fspath(value)
+    elif f.base is int and isinstance(value, int) and not isinstance(value, bool):
+        value = None if f.name == "max_model_len" and value == -1 else value
+    elif f.base is float and isinstance(value, int | float) and not isinstance(value, bool):
+        value = float(value)
+    elif not (typing.get_origin(f.base) is dict and isinstance(value, dict)):
+        raise TypeError(f"unexpected type {type(value).__name__}")
+    choices = _choices(f)
+    if choices and value not in choices:
+        raise ValueError(f"{value!r} is not one of {list(choices)}")
+    return _checked(f, value)
+
+
+def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
+    """EngineConfig from vLLM `EngineArgs`-style keyword arguments (flag names with
+    underscores, e.g. `model=..., max_model_len=..., block_size=...`), with the offline
+    defaults of vLLM's `LLM` class (`max_num_batched_tokens=8192`).
+
+    Raises TypeError for unknown keywords or wrong types, ValueError for bad values and
+    NotSupportedYetError for settings sous does not implement yet; all name the keyword."""
+    fields = {f.name: f for f in _fields() if f.owner is not ServerConfig}
+    unknown = sorted(set(kwargs) - set(fields))
+    if unknown:
+        hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(
+            k, fields, n=1)) else k for k in unknown]
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(hints)}")
+    values: dict[str, Any] = {n: f.default for n, f in fields.items()}
+    values.update(_OFFLINE_DEFAULTS)
+    for name, value in kwargs.items():
+        try:
+            values[name] = _coerce(fields[name], value)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}={value!r}: {e}") from None
+    values.update(_env_values(os.environ))
+    problems = _not_yet_messages(values, as_kwargs=True)
+    if problems:
+        raise NotSupportedYetError(" ".join(problems))
+    _log_notes(values)
+    return _build(values)[0]

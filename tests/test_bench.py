@@ -1,0 +1,169 @@
+"""`sous bench serve`: SSE timing on canned streams, figures, and a run against `sous serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sous.bench.client import RequestResult, Target, normalize_base_url, stream_request
+from sous.bench.prompts import make_prompts
+from sous.bench.serve import main as bench_main
+from sous.bench.stats import distribution, percentile, summarize_level
+
+LEVEL_KEYS = {"concurrency", "num_requests", "duration_s", "completed", "failed",
+              "output_tokens", "output_tok_per_s", "request_per_s", "ttft_ms", "tpot_ms",
+              "itl_ms", "e2e_ms"}
+
+
+def _sse(events: list[dict | str]) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n"
+                    for e in events)
+
+
+def _run(target: Target, handler) -> RequestResult:  # noqa: ANN001
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await stream_request(client, target, "hello")
+    return asyncio.run(go())
+
+
+def test_chat_stream_with_usage() -> None:
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                  *({"choices": [{"delta": {"content": f" w{i}"}}]} for i in range(3)),
+                  {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}},
+                  "[DONE]"]
+        return httpx.Response(200, content=_sse(events))
+
+    r = _run(Target("http://x", "m", max_tokens=4), handler)
+    assert r.ok and r.output_tokens == 4 and r.prompt_tokens == 9 and r.text == " w0 w1 w2"
+    assert r.ttft_s is not None and len(r.itl_s) == 2 and r.tpot_s is not None
+    body = seen[0]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["temperature"] == 0.0 and body["max_tokens"] == 4
+    assert body["messages"] == [{"role": "user", "content": "hello"}]
+
+
+def test_completions_stream_counts_chunks_without_usage() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/completions"
+        assert json.loads(request.content)["prompt"] == "hello"
+        return httpx.Response(200, content=_sse([{"choices": [{"text": "a"}]},
+                                                 {"choices": [{"text": "b"}]}, "[DONE]"]))
+
+    r = _run(Target("http://x", "m", endpoint="completions", ignore_eos=False), handler)
+    assert r.ok and r.output_tokens == 2 and r.text == "ab"
+
+
+def test_http_error_and_non_streamed() -> None:
+    r = _run(Target("http://x", "m"), lambda req: httpx.Response(404, json={"error": "nope"}))
+    assert not r.ok and r.error is not None and "HTTP 404" in r.error
+
+    def whole(request: httpx.Request) -> httpx.Response:
+        assert "stream_options" not in json.loads(request.content)
+        return httpx.Response(200, json={"choices": [{"message": {"content": "hi"}}],
+                                         "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+
+    r = _run(Target("http://x", "m", stream=False), whole)
+    assert r.ok and r.output_tokens == 5 and r.text == "hi" and r.ttft_s is None
+
+
+def test_figures() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+    assert distribution([]) == {"p50": None, "p99": None, "mean": None}
+    assert distribution([0.001, 0.003])["mean"] == 2.0
+    ok = RequestResult(True, e2e_s=1.0, ttft_s=0.2, itl_s=[0.1] * 8, output_tokens=9)
+    assert ok.tpot_s == pytest.approx(0.1)
+    level = summarize_level(4, [ok, RequestResult(False, 0.5, error="boom")], duration_s=2.0)
+    assert set(level) >= LEVEL_KEYS
+    assert (level["completed"], level["failed"], level["output_tokens"]) == (1, 1, 9)
+    assert level["output_tok_per_s"] == 4.5 and level["errors"] == ["boom"]
+
+
+def test_prompts_and_urls() -> None:
+    a = make_prompts(20, seed=1)
+    assert a == make_prompts(20, seed=1) and len(set(a)) == 20 and a != make_prompts(20, seed=2)
+    assert all(p.startswith("Write a long essay about") for p in a)
+    for url in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/", "h:1"):
+        assert normalize_base_url(url) == "http://h:1"
+
+
+# ------------------------------------------------------------ against a real `sous serve`
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_args(tmp_path: Path) -> list[str]:
+    """A tiny random Llama when the fixture module exists, else the bundled model."""
+    try:
+        from tiny_models import make_tiny_llama  # type: ignore[import-not-found]
+    except ImportError:
+        return []
+    return [str(make_tiny_llama(tmp_path))]
+
+
+@pytest.fixture(scope="module")
+def sous_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("bench-server")
+    port = _free_port()
+    log = tmp / "server.log"
+    cmd = [sys.executable, "-m", "sous.cli", "serve", *_model_args(tmp), "--port", str(port),
+           "--max-model-len", "512", "--kv-cache-memory-bytes", "64MiB"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"sous serve exited {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"sous serve not ready:\n{log.read_text()}"
+            try:
+                if httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.parametrize("base", ["{url}", "{url}/v1"])
+def test_bench_serve_against_sous(sous_server: str, base: str, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "bench.json"
+    rc = bench_main(["--base-url", base.format(url=sous_server), "--concurrency", "1,4",
+                     "--max-tokens", "8", "--num-prompts", "4", "--output", str(out_file)])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0, report
+    assert report == json.loads(out_file.read_text())
+    assert {"base_url", "model", "endpoint", "max_tokens", "results"} <= set(report)
+    assert report["base_url"] == sous_server and report["endpoint"] == "chat"
+    assert report["warmup"]["ok"]
+    assert [level["concurrency"] for level in report["results"]] == [1, 4]
+    for level in report["results"]:
+        assert set(level) >= LEVEL_KEYS
+        assert level["num_requests"] == 4 and level["completed"] == 4 and level["failed"] == 0
+        assert level["output_tokens"] == 8 * level["num_requests"]
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(level[key]) == {"p50", "p99", "mean"} and level[key]["p50"] > 0
