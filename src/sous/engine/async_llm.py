@@ -8,6 +8,7 @@ is aborted and its KV blocks are freed. All EngineCore calls happen on the engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -62,10 +63,9 @@ class _Collector:
         self.ready = asyncio.Event()
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
-        try:
+        # RuntimeError: the consumer's loop is closed, so nobody is listening.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            pass
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         if (isinstance(item, RequestOutput) and isinstance(self.pending, RequestOutput)
