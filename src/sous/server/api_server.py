@@ -1,0 +1,164 @@
+"""The OpenAI-compatible HTTP server (FastAPI): `build_app(engine, server_config)` and
+`run_server(engine_config, server_config)`.
+
+Endpoints: GET /health (200 empty / 503), GET /version, GET /metrics (Prometheus text),
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions. Every error is OpenAI-shaped
+(`sous.server.errors`); request-body problems are 400 (never FastAPI's 422). With an API key
+(ServerConfig.api_key or env VLLM_API_KEY) every /v1 path needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import sous
+from sous.config.server import ServerConfig
+from sous.server.errors import APIError, error_body, format_validation_error
+from sous.server.metrics import ServerMetrics
+from sous.server.serving_chat import ChatServing
+from sous.server.serving_common import ServingContext
+from sous.server.serving_completion import CompletionServing
+
+logger = logging.getLogger("sous.server")
+
+
+class APIKeyMiddleware:
+    """401 for /v1/* requests without `Authorization: Bearer <key>` (OPTIONS is let through)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope.get("method") != "OPTIONS"
+                and scope.get("path", "").startswith("/v1")):
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(error_body("Unauthorized", 401), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(format_validation_error(list(exc.errors())), 400),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Unhandled error")
+        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}",
+                                       500), status_code=500)
+
+
+def _model_card(engine: Any) -> dict:
+    created = int(time.time())
+    return {
+        "id": engine.served_model_name, "object": "model", "created": created,
+        "owned_by": "sous", "root": engine.served_model_name, "parent": None,
+        "max_model_len": engine.max_model_len,
+        "permission": [{
+            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+            "created": created, "allow_create_engine": False, "allow_sampling": True,
+            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None,
+            "is_blocking": False}],
+    }
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+    engine = ctx.engine
+    completions = CompletionServing(ctx)
+    chat = ChatServing(ctx)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy() else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": sous.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            stats = engine.get_stats()
+        except Exception:  # a dead engine still gets its counters scraped
+            stats = None
+        return Response(ctx.metrics.render(stats),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(engine)]}
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.handle(request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.handle(request)
+
+
+def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (an `AsyncLLM` or anything with its interface)."""
+    config = server_config or ServerConfig()
+    app = FastAPI(title="sous OpenAI-compatible server", version=sous.__version__)
+    ctx = ServingContext(engine=engine, config=config,
+                         metrics=ServerMetrics(engine.served_model_name, engine.max_model_len))
+    app.state.serving = ctx
+    _install_error_handlers(app)
+    _add_routes(app, ctx)
+    api_key = config.api_key or os.environ.get("VLLM_API_KEY")
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # vLLM's defaults (--allowed-origins/methods/headers '*'); added last, so it runs first
+    # and CORS preflights never need the API key.
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
+                       allow_headers=["*"], allow_credentials=False)
+    return app
+
+
+def run_server(engine_config: Any, server_config: ServerConfig | None = None) -> None:
+    """Load the engine, serve until interrupted (SIGINT/SIGTERM), then shut the engine down."""
+    import uvicorn
+
+    from sous.engine.async_llm import AsyncLLM
+
+    config = server_config or ServerConfig()
+    logger.info("Loading engine ...")
+    engine = AsyncLLM.from_config(engine_config)
+    try:
+        app = build_app(engine, config)
+        logger.info("Serving model %r (max_model_len=%d) on http://%s:%d",
+                    engine.served_model_name, engine.max_model_len, config.host, config.port)
+        uvicorn.run(app, host=config.host, port=config.port,
+                    log_level=config.uvicorn_log_level, timeout_keep_alive=5)
+    finally:
+        logger.info("Shutting down the engine.")
+        engine.shutdown()

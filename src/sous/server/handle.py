@@ -1,0 +1,83 @@
+"""`ServerHandle`: run the OpenAI server in a background thread (tests, benchmarks, notebooks).
+
+    with ServerHandle(engine) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
+
+The engine is not owned by the handle: the caller shuts it down.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+from sous.config.server import ServerConfig
+from sous.server.api_server import build_app
+
+
+class ServerHandle:
+    """uvicorn serving `build_app(engine, server_config)` on a thread, on a free port."""
+
+    def __init__(self, engine: Any, server_config: ServerConfig | None = None,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        self.engine = engine
+        self.config = server_config or ServerConfig(host=host, port=port,
+                                                    uvicorn_log_level="warning")
+        self.app = build_app(engine, self.config)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._server = uvicorn.Server(uvicorn.Config(
+            self.app, log_level=self.config.uvicorn_log_level, timeout_keep_alive=5,
+            timeout_graceful_shutdown=5))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """`http://host:port` (no trailing slash)."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI client's base URL: `http://host:port/v1`."""
+        return self.url + "/v1"
+
+    def start(self, timeout: float = 60.0) -> ServerHandle:
+        """Start serving; returns once /health answers 200 (raises TimeoutError otherwise)."""
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._sock]},
+                                        name="sous-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("The server thread exited during start-up.")
+            if self._server.started:
+                try:
+                    if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"The server did not become healthy within {timeout:.0f}s.")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and join the thread."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+            self._thread = None
+        self._sock.close()
+
+    def __enter__(self) -> ServerHandle:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

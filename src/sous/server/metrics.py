@@ -1,0 +1,173 @@
+"""Prometheus metrics with vLLM's names, in the text exposition format (version 0.0.4).
+
+A small self-contained writer (no prometheus-client dependency). Every sample carries the
+labels `model_name` and `engine="0"`, like vLLM v1. Engine gauges and the preemption and
+prefix-cache counters are read from `engine.get_stats()` at scrape time; the per-request
+counters and histograms are recorded by the serving code through `RequestMetrics`.
+Everything runs on the server's event loop, so no locking.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+def buckets_1_2_5(max_value: int) -> list[float]:
+    """[1, 2, 5, 10, 20, 50, ...] up to max_value (vLLM's token-count buckets)."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exponent
+            if v > max_value:
+                return out
+            out.append(float(v))
+        exponent += 1
+
+
+def _fmt(v: float) -> str:
+    if v == float("inf"):
+        return "+Inf"
+    return repr(float(v))
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class _Histogram:
+    def __init__(self, buckets: list[float]) -> None:
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, cum = [], 0
+        for bound, c in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            cum += c
+            out.append(f'{name}_bucket{{{labels},le="{_fmt(bound)}"}} {_fmt(cum)}')
+        out.append(f"{name}_count{{{labels}}} {_fmt(self.count)}")
+        out.append(f"{name}_sum{{{labels}}} {_fmt(self.sum)}")
+        return out
+
+
+class ServerMetrics:
+    """All metrics of one served model."""
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.labels = f'engine="0",model_name="{_escape(model_name)}"'
+        token_buckets = buckets_1_2_5(max(max_model_len, 1))
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.tpot = _Histogram(TPOT_BUCKETS)
+        self.e2e = _Histogram(E2E_BUCKETS)
+        self.req_prompt = _Histogram(token_buckets)
+        self.req_generation = _Histogram(token_buckets)
+
+    def start(self, prompt_tokens: int) -> RequestMetrics:
+        """Track one engine request (one prompt, all its n choices)."""
+        return RequestMetrics(self, prompt_tokens)
+
+    def render(self, stats: Any | None) -> str:
+        """The exposition text; `stats` is the engine's `get_stats()` (or None if unavailable)."""
+        lab = self.labels
+        out: list[str] = []
+
+        def head(name: str, kind: str, text: str) -> None:
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} {kind}")
+
+        def stat(field: str) -> float:
+            return float(getattr(stats, field, 0) or 0) if stats is not None else 0.0
+
+        for name, field, text in (
+                ("vllm:num_requests_running", "num_running",
+                 "Number of requests in model execution batches."),
+                ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
+                ("vllm:kv_cache_usage_perc", "kv_cache_usage",
+                 "KV-cache usage. 1 means 100 percent usage.")):
+            head(name, "gauge", text)
+            out.append(f"{name}{{{lab}}} {_fmt(stat(field))}")
+        for name, value, text in (
+                ("vllm:num_preemptions_total", stat("num_preemptions"),
+                 "Cumulative number of preemptions from the engine."),
+                ("vllm:prefix_cache_queries_total", stat("prefix_cache_queries"),
+                 "Prefix cache queries, in terms of number of queried tokens."),
+                ("vllm:prefix_cache_hits_total", stat("prefix_cache_hits"),
+                 "Prefix cache hits, in terms of number of cached tokens."),
+                ("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed."),
+                ("vllm:generation_tokens_total", self.generation_tokens,
+                 "Number of generation tokens processed.")):
+            head(name, "counter", text)
+            out.append(f"{name}{{{lab}}} {_fmt(value)}")
+        head("vllm:request_success_total", "counter", "Count of successfully processed requests.")
+        for reason, n in self.success.items():
+            out.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {_fmt(n)}')
+        for name, hist, text in (
+                ("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds."),
+                ("vllm:time_per_output_token_seconds", self.tpot,
+                 "Histogram of time per output token in seconds."),
+                ("vllm:e2e_request_latency_seconds", self.e2e,
+                 "Histogram of e2e request latency in seconds."),
+                ("vllm:request_prompt_tokens", self.req_prompt,
+                 "Number of prefill tokens processed."),
+                ("vllm:request_generation_tokens", self.req_generation,
+                 "Number of generation tokens processed.")):
+            head(name, "histogram", text)
+            out.extend(hist.lines(name, lab))
+        return "\n".join(out) + "\n"
+
+
+class RequestMetrics:
+    """Timing of one engine request; call `tokens()` as outputs arrive and `finish()` once."""
+
+    __slots__ = ("_m", "arrival", "first_token", "prompt_tokens", "generated", "done")
+
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
+        self._m = metrics
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.prompt_tokens = prompt_tokens
+        self.generated = 0
+        self.done = False
+
+    def tokens(self, n: int) -> None:
+        """`n` new tokens arrived (any choice)."""
+        if n and self.first_token is None:
+            self.first_token = time.monotonic()
+            self._m.ttft.observe(self.first_token - self.arrival)
+        self.generated += n
+
+    def finish(self, reasons: list[str]) -> None:
+        """The request ended; `reasons` has one finish reason per choice (`abort` if cut)."""
+        if self.done:
+            return
+        self.done = True
+        m, now = self._m, time.monotonic()
+        for r in reasons:
+            m.success[r] = m.success.get(r, 0) + 1
+        m.prompt_tokens += self.prompt_tokens
+        m.generation_tokens += self.generated
+        m.e2e.observe(now - self.arrival)
+        m.req_prompt.observe(self.prompt_tokens)
+        m.req_generation.observe(self.generated)
+        if self.first_token is not None and self.generated > 1:
+            m.tpot.observe((now - self.first_token) / (self.generated - 1))
