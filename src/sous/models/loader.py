@@ -1,0 +1,269 @@
+"""`load_model`: MODEL argument -> model on device + tokenizer + serving facts.
+
+MODEL is None (the bundled SmolLM2 GGUF), a Hugging Face-style folder, or a `.gguf` file. sous
+never downloads: anything else is an error that says how to point at a local copy.
+
+dtype `auto`: on CPU bfloat16 when the CPU has native bf16 (avx512_bf16 / amx_bf16 / ARM bf16),
+else float32; on CUDA the checkpoint's dtype, with float32 checkpoints run in bfloat16 (float16
+where bf16 is unsupported), as vLLM does. GGUF files are dequantised on load to
+that dtype (exact numerics, as transformers computes them). With `--quantization gguf` their
+Q4_0/Q4_1/Q8_0 matrices stay quantised and run on torch's int4 CPU kernel (bf16 matmul numerics,
+about 4x less memory traffic than float32; ~1.7x faster single-sequence decode for SmolLM2);
+models whose dense form fits in `SOUS_GGUF_DENSE_COPY_MAX_BYTES` (default 2 GiB) also keep dense
+copies, used for batches of >= 16 rows (>= 8 for the two-plane Q8_0 lm_head) where MKL is
+faster, so results can then depend on batch size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from sous.config.load import LoadConfig
+from sous.config.model import ModelConfig
+from sous.models import bundled
+from sous.models import loader_gguf as gg
+from sous.models import loader_safetensors as st
+from sous.models.layers.linear import int4_kernel_available
+from sous.models.registry import get_model_class, resolve_architecture, supported_architectures
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_T = TypeVar("_T")
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """MODEL is not a local folder or GGUF file (sous never downloads)."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    hf_config: Any
+    dtype: torch.dtype
+    served_model_name: str
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    model_path: str
+    quantization: str | None = None
+    """"gguf-int4" when GGUF matrices run quantised on the int4 kernel, else None."""
+
+
+@lru_cache(maxsize=1)
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bfloat16 arithmetic."""
+    try:
+        if torch.backends.cpu.get_cpu_capability() == "AMX":  # type: ignore[attr-defined]
+            return True
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set(
+        re.findall(r"[\w.]+", " ".join(re.findall(r"^(?:flags|Features)\s*:(.*)$", text, re.M)))
+    )
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = _DTYPES.get(d.replace("torch.", ""))
+    return d if isinstance(d, torch.dtype) else None
+
+
+def resolve_dtype(requested: str, ckpt: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype weights and activations run in (see module docstring for `auto`)."""
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"unsupported dtype {requested!r}; use auto, {', '.join(_DTYPES)}")
+        return _DTYPES[requested]
+    if device.type == "cuda":
+        if ckpt in (torch.bfloat16, torch.float16):
+            return ckpt
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu":
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    return torch.float32
+
+
+def _not_found(model: str) -> ModelNotFoundError:
+    hint = ""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not model.startswith((".", "/")):
+        hint = (
+            f" {model!r} looks like a Hugging Face Hub id: download it yourself (for example "
+            f"`huggingface-cli download {model} --local-dir ./{model.split('/')[-1]}`) and pass "
+            "that folder."
+        )
+    return ModelNotFoundError(
+        f"Model {model!r} is not a local folder or .gguf file. sous does not download models: "
+        "pass a local Hugging Face-style folder (config.json + *.safetensors + tokenizer files) "
+        f"or a .gguf file.{hint}"
+    )
+
+
+def _locate(model_config: ModelConfig) -> tuple[Path, bool]:
+    """`(path, is_gguf)` for the MODEL argument."""
+    if model_config.model is None:
+        p = bundled.bundled_gguf_path()
+    else:
+        p = Path(model_config.model).expanduser()
+        if not p.exists():
+            raise _not_found(model_config.model)
+    if model_config.revision not in (None, "main"):
+        raise ValueError(
+            f"--revision {model_config.revision!r} cannot be used with the local model {str(p)!r}: "
+            "sous does not download, so only the files on disk (revision 'main') exist. "
+            "Check out the revision you want into a folder and pass that folder."
+        )
+    if model_config.model is None:
+        return p, True
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"{p} is a file but not a .gguf file; pass a .gguf or a model folder")
+        return p, True
+    if not (p / "config.json").is_file():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0], True
+        raise ValueError(
+            f"{p} is not a Hugging Face-style model folder: it has no config.json"
+            + (f" (and {len(ggufs)} .gguf files: pass one of them)" if ggufs else "")
+        )
+    return p, False
+
+
+def _progress(items: Iterable[_T], total: int, desc: str) -> Iterator[_T]:
+    from tqdm import tqdm
+
+    yield from tqdm(
+        items, total=total, desc=desc, unit="tensor", file=sys.stderr, dynamic_ncols=True
+    )
+
+
+def _apply_chat_template_override(tokenizer: Any, chat_template: str | None) -> None:
+    if not chat_template:
+        return
+    p = Path(chat_template).expanduser()
+    tokenizer.chat_template = p.read_text() if p.is_file() else chat_template
+
+
+def _unique(ids: Iterable[int | None]) -> list[int]:
+    out: list[int] = []
+    for i in ids:
+        if i is not None and int(i) not in out:
+            out.append(int(i))
+    return out
+
+
+def _build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    cls = get_model_class(resolve_architecture(hf_config))
+    with torch.device(device):
+        return cls(hf_config, dtype)
+
+
+def _load_gguf(path: Path, mc: ModelConfig, device: torch.device) -> LoadedModel:
+    reader = gg.open_gguf(path)
+    hf_config = gg.build_config(reader)
+    dtype = resolve_dtype(mc.dtype, torch.float32, device)
+    keep_quantized = mc.quantization == "gguf"
+    if keep_quantized and not int4_kernel_available(device):
+        raise ValueError(f"--quantization gguf needs torch's int4 kernel, not available on {device}.")
+    # Small models also keep dense copies for prefill-sized batches (see Int4Linear).
+    limit = int(os.environ.get("SOUS_GGUF_DENSE_COPY_MAX_BYTES", 2 << 30))
+    dense_fallback = keep_quantized and gg.dense_bytes(reader, dtype) <= limit
+    model = _build_model(hf_config, dtype, device)
+    weights = gg.iter_weights(reader, hf_config, dtype, keep_quantized, dense_fallback)
+    model.load_weights(_progress(weights, len(reader.tensors), "Loading GGUF weights"))  # type: ignore[operator]
+    tok_dir = Path(mc.tokenizer) if mc.tokenizer else None
+    tokenizer = _load_hf_tokenizer(tok_dir) if tok_dir else gg.load_tokenizer(path)
+    eos = _unique([*gg.eos_token_ids(reader), tokenizer.eos_token_id])
+    return LoadedModel(
+        model=model.eval(),
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        dtype=dtype,
+        served_model_name="",
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+        eos_token_ids=eos,
+        model_path=str(path),
+        quantization="gguf-int4" if keep_quantized else None,
+    )
+
+
+def _load_hf_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    if not folder.exists():
+        raise _not_found(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def _load_folder(path: Path, mc: ModelConfig, lc: LoadConfig, device: torch.device) -> LoadedModel:
+    from transformers import AutoConfig
+
+    raw = st.read_json(path / "config.json")
+    archs = raw.get("architectures") or []
+    resolve_architecture(type("Cfg", (), {"architectures": archs})())  # clear error before parsing
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError) as e:
+        raise ValueError(
+            f"cannot read {path / 'config.json'} ({e}). "
+            f"Supported architectures: {', '.join(supported_architectures())}"
+        ) from e
+    dtype = resolve_dtype(mc.dtype, checkpoint_dtype(hf_config), device)
+    files = st.safetensors_files(path)
+    model = _build_model(hf_config, dtype, device)
+    weights = st.iter_weights(files, lc.safetensors_load_strategy)
+    total = st.count_tensors(files)
+    model.load_weights(_progress(weights, total, "Loading safetensors weights"))  # type: ignore[operator]
+    tokenizer = _load_hf_tokenizer(Path(mc.tokenizer) if mc.tokenizer else path)
+    cfg_eos = getattr(hf_config, "eos_token_id", None)
+    cfg_eos = cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]
+    eos = _unique([*st.generation_eos_ids(path), *cfg_eos, tokenizer.eos_token_id])
+    max_pos = int(hf_config.max_position_embeddings)
+    window = getattr(hf_config, "sliding_window", None)
+    if window:  # no sliding-window attention yet: serve only contexts it does not affect
+        max_pos = min(max_pos, int(window))
+    return LoadedModel(
+        model=model.eval(),
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        dtype=dtype,
+        served_model_name="",
+        max_position_embeddings=max_pos,
+        eos_token_ids=eos,
+        model_path=str(path),
+    )
+
+
+def load_model(
+    model_config: ModelConfig, load_config: LoadConfig, device: torch.device
+) -> LoadedModel:
+    """Load MODEL (see module docstring) onto `device`, in eval mode, in the resolved dtype."""
+    device = torch.device(device)
+    path, is_gguf = _locate(model_config)
+    if is_gguf:
+        loaded = _load_gguf(path, model_config, device)
+    else:
+        loaded = _load_folder(path, model_config, load_config, device)
+    _apply_chat_template_override(loaded.tokenizer, model_config.chat_template)
+    if model_config.served_model_name:
+        loaded.served_model_name = model_config.served_model_name
+    elif model_config.model is None:
+        loaded.served_model_name = bundled.BUNDLED_NAME
+    else:
+        loaded.served_model_name = model_config.model
+    return loaded

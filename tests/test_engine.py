@@ -1,0 +1,126 @@
+"""The engine end to end on the bundled SmolLM2 (offline `LLM` API): batching invariance,
+chunked prefill, preemption, stop handling, n, seeds and logprobs. float32 so that greedy
+results do not depend on batch shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from sous import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea:",
+    "def fibonacci(n):",
+    "List three colours:",
+    "Once upon a time, in a small village,",
+    "The theory of relativity says that",
+    "My favourite food is",
+    "In 1969, the first man on the moon",
+    "Python is a programming language that",
+    "The best way to learn to cook is",
+    "Here is a recipe for pancakes:",
+    "The sun rises in the",
+    "Q: What is 2 + 2?\nA:",
+    "Translate to French: good morning ->",
+    "A haiku about autumn:",
+    "The quick brown fox",
+    "Explain photosynthesis in one sentence:",
+]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20,
+               max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def alone(llm: LLM) -> list[list[int]]:
+    return [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def test_batched_equals_alone(llm: LLM, alone: list[list[int]]) -> None:
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert all(len(t) == 24 for t in alone)
+    assert outs[0].prompt_token_ids == llm.get_tokenizer().encode(PROMPTS[0])
+    assert outs[0].outputs[0].text == llm.get_tokenizer().decode(alone[0])
+
+
+def test_chunked_prefill_equals_alone(alone: list[list[int]]) -> None:
+    small = LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+                max_num_batched_tokens=5, enable_prefix_caching=False)
+    outs = small.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone[:4]
+
+
+def test_preemption_keeps_results(alone: list[list[int]]) -> None:
+    # 12 usable blocks of 16 tokens cannot hold 8 sequences at once: some are preempted and
+    # recomputed, and every output is still the same.
+    tight = LLM(dtype="float32", max_model_len=128, num_gpu_blocks_override=13,
+                enable_prefix_caching=False)
+    outs = tight.generate(PROMPTS[:8], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone[:8]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.kv_cache_manager.usage() == 0.0
+
+
+def test_stop_and_max_tokens(llm: LLM, alone: list[list[int]]) -> None:
+    tok = llm.get_tokenizer()
+    full = tok.decode(alone[0])
+    stop = full.strip().split()[2]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and full.startswith(out.text)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == alone[0][:3]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24,
+                                                  stop_token_ids=[alone[0][5]]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.stop_reason == alone[0][5] and out.token_ids[-1] == alone[0][5]
+
+
+def test_n_and_seed(llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, n=3, seed=123, max_tokens=12)
+    a = llm.generate(PROMPTS[1], p, use_tqdm=False)[0]
+    b = llm.generate(PROMPTS[1], p, use_tqdm=False)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+
+
+def test_logprobs(llm: LLM, alone: list[list[int]]) -> None:
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and entry[token].rank == 1
+        assert len(entry) == 3
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)))
+
+
+def test_chat(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+
+
+def test_prefix_cache_hit_counts(llm: LLM) -> None:
+    prompt = " ".join(["shared prefix words"] * 30)
+    first = llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    second = llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens > 0
+    assert second.num_cached_tokens % 16 == 0
+
+
+def test_bad_request_does_not_disturb(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=5000), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
