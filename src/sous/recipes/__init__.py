@@ -1,0 +1,1 @@
+"""Vendor recipes: schema, composition, rendering, fit check and launch (issue 3)."""
