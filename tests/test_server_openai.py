@@ -334,3 +334,16 @@ def test_metrics(server: ServerHandle, model: str) -> None:
     assert f'model_name="{model}"' in text
     gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total{")]
     assert float(gen[0].rsplit(" ", 1)[1]) > 0
+
+
+def test_reset_prefix_cache(server: ServerHandle, client: openai.OpenAI, engine: Any,
+                            model: str) -> None:
+    prompt = "Tell me about the history of the printing press in Europe, " * 4
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    wait_idle(engine)
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+    after = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0

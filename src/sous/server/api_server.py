@@ -112,6 +112,14 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         return Response(ctx.metrics.render(stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if not await engine.reset_prefix_cache():
+            raise APIError("Cannot reset the prefix cache while requests hold KV blocks; "
+                           "retry when the server is idle.", status=409,
+                           err_type="ConflictError")
+        return Response(status_code=200)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [_model_card(engine)]}
