@@ -47,7 +47,7 @@ def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "serv" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["recipe", "route"])
+@pytest.mark.parametrize("command", ["route"])
 def test_placeholders(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([command, "list"]) == 2
     assert "not implemented yet" in capsys.readouterr().err

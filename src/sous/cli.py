@@ -20,7 +20,8 @@ __all__ = ["main"]
 _SUBCOMMANDS = {
     "serve": "OpenAI-compatible server (vLLM flags); `sous serve --help` lists them.",
     "bench": "`sous bench serve`: load generator against any OpenAI-compatible server.",
-    "recipe": "Read, plan, check and launch vendor deployment recipes (not implemented yet).",
+    "recipe": "Read, plan, check and launch vendor deployment recipes: "
+              "`sous recipe list|show|plan|check|launch`.",
     "route": "Router in front of several servers (not implemented yet).",
 }
 
@@ -75,7 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(rest)
     if command == "bench":
         return _bench(rest)
-    if command in ("recipe", "route"):
+    if command == "recipe":
+        from sous.recipes.cli import main as recipe_main
+
+        return recipe_main(rest)
+    if command == "route":
         print(f"sous {command}: not implemented yet", file=sys.stderr)
         return 2
     parser = _top_parser()

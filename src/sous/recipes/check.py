@@ -209,6 +209,8 @@ def _row_lines(row: CheckRow) -> list[str]:
     repl = f", kept x{r.replication} (kv heads per rank < {dev.chiplets} chiplets)" \
         if r.replication > 1 else ""
     look = f" + {i.lookahead_tokens} speculative" if i.lookahead_tokens else ""
+    top = i.arch.max_position
+    cap = f" (the model's maximum is {top:,})" if top and r.max_model_len_that_fits > top else ""
     return [
         f"{', '.join(row.labels)}: {i.arch.name}, {i.weight_format} weights, "
         f"KV {i.kv_cache_dtype}{' (bf16)' if i.kv_cache_dtype == 'auto' else ''}, block {i.block_size}, {_layout(i)}",
@@ -224,7 +226,7 @@ def _row_lines(row: CheckRow) -> list[str]:
         + (f", minus {_gib(dev.reserve_bytes)} runtime reserve" if dev.reserve_bytes else ""),
         f"  verdict                   {verdict}",
         f"  largest --max-model-len   {r.max_model_len_that_fits:,} tokens for "
-        f"{i.max_num_seqs} sequence(s)",
+        f"{i.max_num_seqs} sequence(s)" + cap,
     ]
 
 

@@ -56,11 +56,12 @@ _PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*)>")
 class ChoiceError(RecipeError):
     """An unknown strategy, target, axis, value or placeholder; lists the valid choices."""
 
-    def __init__(self, what: str, given: str, choices: Iterable[str], context: str = ""):
+    def __init__(self, what: str, given: str | None, choices: Iterable[str], context: str = ""):
         self.what, self.given, self.choices = what, given, list(choices)
         where = f" {context}" if context else ""
         valid = ", ".join(self.choices) if self.choices else "(none)"
-        super().__init__(f"unknown {what} {given!r}{where} (valid: {valid})")
+        head = f"missing {what}" if given is None else f"unknown {what} {given!r}"
+        super().__init__(f"{head}{where} (valid: {valid})")
 
 
 class ExcludedSelection(RecipeError):
@@ -222,12 +223,12 @@ def pick_option(recipe: Recipe, slug: str | None, target: str | None) -> tuple[S
     slugs = [s.slug for s in recipe.strategies]
     strategy = recipe.strategy(slug) if slug else None
     if strategy is None:
-        raise ChoiceError("strategy", slug or "", slugs)
+        raise ChoiceError("strategy" if slug else "--strategy", slug, slugs)
     targets = [o.target for o in strategy.options]
     if target is None:
         if len(targets) == 1:
             return strategy, strategy.options[0]
-        raise ChoiceError("target", "", targets, f"for strategy {slug!r} (give --target)")
+        raise ChoiceError("--target", None, targets, f"(strategy {slug!r} has several)")
     option = strategy.option(target)
     if option is None:
         raise ChoiceError("target", target, targets, f"for strategy {slug!r}")

@@ -1,0 +1,234 @@
+"""`sous recipe launch`: the composed topology on this machine, with a small stand-in model.
+
+Each composed `vllm serve` process runs as `python -m sous.cli serve` with the stand-in
+model (default: the bundled SmolLM2-135M-Instruct) served under the recipe's model name, so
+the recipe's client example works. Every port of the plan (`--port`, whose vLLM default
+8000 is made explicit, `--data-parallel-rpc-port`, `*_PORT` envs, `tcp://host:PORT`
+endpoints and `kv@host:PORT@` topics) is remapped, consistently, to a free loopback port;
+placeholders are filled with 127.0.0.1. `--max-model-len` belongs to the recipe's model,
+not the stand-in: it is replaced by `--stand-in-max-model-len` or removed (the stand-in's
+own maximum), and the summary says so.
+
+Flags `sous serve` does not support yet (its `NOT_SUPPORTED_YET` table) or does not know
+stop the launch with a list of them, per process (exit 2); `--drop-unsupported` removes
+them instead and prints each dropped flag. Router steps are not run (`sous route` is not
+available yet) — the summary says so. Each process logs to `<log-dir>/<role>[-rank-N].log`.
+After every server answers `/health`, one chat request goes to each (unless `--no-probe`);
+then the processes run until Ctrl-C, `--duration` seconds, or one of them exits.
+
+Public API: `add_launch_parser`, `run_launch`, `LaunchSpec`, `build_launch`,
+`unsupported_flags`, `PortMap`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sous.recipes.compose import Arg, EnvVar, Plan, Process
+from sous.recipes.schema import RecipeError
+
+__all__ = ["LaunchSpec", "PortMap", "add_launch_parser", "build_launch", "run_launch",
+           "unsupported_flags"]
+
+_PORT_FLAGS = ("--port", "--data-parallel-rpc-port")
+_URL_PORT = re.compile(r"(tcp://[^\s:/\"']+:)(\d+)")
+_TOPIC_PORT = re.compile(r"(kv@[^\s:@\"']+:)(\d+)(@)")
+_MODEL_FLAGS = ("--max-model-len",)
+
+
+def add_launch_parser(sub: Any, selection_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register `launch` on the `sous recipe` subparsers."""
+    p = sub.add_parser("launch", help="run the composed processes here with a stand-in model")
+    p.add_argument("name", metavar="NAME", help="recipe name (file stem) or path")
+    selection_args(p)
+    p.add_argument("--stand-in", metavar="MODEL", default=None,
+                   help="model folder or GGUF file to serve in place of the recipe's model "
+                   "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--stand-in-max-model-len", type=int, default=None, metavar="N",
+                   help="--max-model-len for the stand-in (default: its own maximum)")
+    p.add_argument("--drop-unsupported", action="store_true",
+                   help="run without the flags sous serve does not support yet (listed)")
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="stop everything after this many seconds (default: until Ctrl-C)")
+    p.add_argument("--log-dir", default=None, help="folder for one log file per process")
+    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument("--no-probe", action="store_true",
+                   help="do not send a chat request to each server once it is up")
+
+
+# ----------------------------------------------------------------------------- ports
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class PortMap:
+    """Recipe port -> local port, allocated on first use (the same recipe port maps to
+    the same local port everywhere, so cross references stay consistent)."""
+
+    allocate: Callable[[], int] = free_port
+    mapping: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, port: int) -> int:
+        if port not in self.mapping:
+            self.mapping[port] = self.allocate()
+        return self.mapping[port]
+
+    def in_text(self, text: str) -> str:
+        text = _URL_PORT.sub(lambda m: f"{m.group(1)}{self(int(m.group(2)))}", text)
+        return _TOPIC_PORT.sub(lambda m: f"{m.group(1)}{self(int(m.group(2)))}{m.group(3)}", text)
+
+
+def _remap_arg(arg: Arg, ports: PortMap) -> Arg:
+    if arg.flag in _PORT_FLAGS and len(arg.words) == 2 and arg.words[1].isdigit():
+        words = (arg.flag, str(ports(int(arg.words[1]))))
+    else:
+        words = tuple(ports.in_text(w) for w in arg.words)
+    return dataclasses.replace(arg, words=words, text=" ".join(words))
+
+
+def _remap_env(env: EnvVar, ports: PortMap) -> EnvVar:
+    value = env.value
+    if env.name.endswith("_PORT") and value.isdigit():
+        value = str(ports(int(value)))
+    else:
+        value = ports.in_text(value)
+    return dataclasses.replace(env, value=value, text=f"{env.name}={value}")
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def unsupported_flags(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """(flag, why) for each flag of a `serve` argv that sous does not support yet or does
+    not know, from `sous.config.engine_args` (its parser and `NOT_SUPPORTED_YET` table)."""
+    from sous.config.engine_args import NOT_SUPPORTED_YET, make_serve_parser
+
+    parser = make_serve_parser()
+    try:
+        values, extras = parser.parse_known_args(list(argv))
+    except SystemExit:
+        raise RecipeError(f"sous serve cannot parse: {' '.join(argv)}") from None
+    found = vars(values)
+    out = [(row.flag, row.reason) for row in NOT_SUPPORTED_YET
+           if row.field in found and row.when(found[row.field])]
+    out += [(x.partition("=")[0], "unknown to sous serve") for x in extras if x.startswith("-")]
+    return out
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One process to start: its label, full command, added env, port and log file."""
+
+    label: str
+    command: tuple[str, ...]
+    env: dict[str, str]
+    port: int
+    log: Path
+    dropped: tuple[tuple[str, str], ...]
+    notes: tuple[str, ...]
+
+
+def _stand_in_args(process: Process, stand_in_len: int | None) -> tuple[list[Arg], list[str]]:
+    args, notes = [], []
+    for arg in process.args:
+        if arg.flag in _MODEL_FLAGS:
+            if stand_in_len is None:
+                notes.append(f"{arg.text} is for {process.model}: removed (stand-in's maximum)")
+                continue
+            notes.append(f"{arg.text} is for {process.model}: "
+                         f"{arg.flag} {stand_in_len} for the stand-in")
+            arg = Arg(arg.flag, (arg.flag, str(stand_in_len)), f"{arg.flag} {stand_in_len}")
+        args.append(arg)
+    if process.arg("--port") is None:
+        args.append(Arg("--port", ("--port", "8000"), "--port 8000"))  # vLLM's default
+    if process.arg("--served-model-name") is None:
+        name = process.model
+        args.append(Arg("--served-model-name", ("--served-model-name", name),
+                        f"--served-model-name {name}"))
+    return args, notes
+
+
+def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap,
+                 drop_unsupported: bool, stand_in_len: int | None = None
+                 ) -> tuple[list[LaunchSpec], dict[str, list[tuple[str, str]]]]:
+    """The processes to start, and per process label the unsupported flags that block
+    the launch (empty when none, or when they are dropped)."""
+    specs, blocking = [], {}
+    for process in plan.processes:
+        if process.launcher_words != ["vllm", "serve"]:
+            raise RecipeError(f"{process.label}: launcher {process.launcher!r} is not "
+                              "`vllm serve`; sous can only stand in for vllm serve")
+        args, notes = _stand_in_args(process, stand_in_len)
+        args = [_remap_arg(a, ports) for a in args]
+        bad = unsupported_flags([w for a in args for w in a.words])
+        bad_flags = {f for f, _ in bad}
+        if bad and not drop_unsupported:
+            blocking[process.label] = bad
+        elif bad:
+            args = [a for a in args if a.flag not in bad_flags]
+        envs = [_remap_env(e, ports) for e in process.envs]
+        port = int(next(a.words[1] for a in args if a.flag == "--port"))
+        name = process.role if process.rank is None else f"{process.role}-rank-{process.rank}"
+        words = [w for a in args for w in a.words]
+        command = (sys.executable, "-m", "sous.cli", "serve",
+                   *([stand_in] if stand_in else []), *words)
+        specs.append(LaunchSpec(label=process.label, command=command,
+                                env={e.name: e.value for e in envs}, port=port,
+                                log=log_dir / f"{name}.log",
+                                dropped=tuple(bad) if drop_unsupported else (),
+                                notes=tuple(notes)))
+    return specs, blocking
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _report_blocking(blocking: dict[str, list[tuple[str, str]]]) -> None:
+    _say("sous recipe launch: error: sous serve does not support these flags yet:")
+    for label, bad in blocking.items():
+        _say(f"  {label}:")
+        for flag, why in bad:
+            _say(f"    {flag}: {why}")
+    _say("Nothing was started. --drop-unsupported runs the topology without them "
+         "(the features they turn on are then absent).")
+
+
+def run_launch(args: argparse.Namespace, plan: Plan) -> int:
+    """Start the plan's processes (see the module docstring); returns the exit status."""
+    from sous.recipes.supervise import supervise
+
+    if plan.placeholders_left:
+        raise RecipeError("internal: placeholders left in a launch plan")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sous-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    specs, blocking = build_launch(plan, args.stand_in, log_dir, PortMap(),
+                                   args.drop_unsupported, args.stand_in_max_model_len)
+    if blocking:
+        _report_blocking(blocking)
+        return 2
+    for spec in specs:
+        for flag, why in spec.dropped:
+            _say(f"WARNING {spec.label}: DROPPED {flag} ({why})")
+        for note in spec.notes:
+            _say(f"NOTE {spec.label}: {note}")
+    if plan.router:
+        _say("NOTE router: not started (sous route is not available yet); the servers are "
+             "reachable directly.")
+    return supervise(specs, duration=args.duration, ready_timeout=args.ready_timeout,
+                     probe=not args.no_probe)
