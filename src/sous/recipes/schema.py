@@ -19,9 +19,17 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "Axis",
@@ -90,6 +98,12 @@ def _check_envs(envs: dict[str, str]) -> dict[str, str]:
     return envs
 
 
+ArgMap = Annotated[dict[str, str], AfterValidator(_check_args)]
+"""flag -> the flag's full text, checked by `_check_args`."""
+EnvMap = Annotated[dict[str, str], AfterValidator(_check_envs)]
+"""name -> `NAME=value`, checked by `_check_envs`."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -131,18 +145,8 @@ class PageText(_Open):
 class RankOverride(_Strict):
     """Per-rank args/envs; added to, or replacing by name, the role's."""
 
-    args: dict[str, str] = Field(default_factory=dict)
-    envs: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("args")
-    @classmethod
-    def _valid_args(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_args(v)
-
-    @field_validator("envs")
-    @classmethod
-    def _valid_envs(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_envs(v)
+    args: ArgMap = Field(default_factory=dict)
+    envs: EnvMap = Field(default_factory=dict)
 
 
 class RoleBase(_Strict):
@@ -150,21 +154,11 @@ class RoleBase(_Strict):
 
     role: str
     launcher: str
-    args: dict[str, str] = Field(default_factory=dict)
-    envs: dict[str, str] = Field(default_factory=dict)
+    args: ArgMap = Field(default_factory=dict)
+    envs: EnvMap = Field(default_factory=dict)
     ranks: tuple[RankOverride, ...] | None = None
     scale: str | None = None
     varies: tuple[str, ...] | None = None
-
-    @field_validator("args")
-    @classmethod
-    def _valid_args(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_args(v)
-
-    @field_validator("envs")
-    @classmethod
-    def _valid_envs(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_envs(v)
 
     @field_validator("launcher")
     @classmethod
@@ -179,18 +173,8 @@ class RoleDelta(_Strict):
 
     del_args: tuple[str, ...] = ()
     del_envs: tuple[str, ...] = ()
-    add_args: dict[str, str] = Field(default_factory=dict)
-    add_envs: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("add_args")
-    @classmethod
-    def _valid_args(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_args(v)
-
-    @field_validator("add_envs")
-    @classmethod
-    def _valid_envs(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_envs(v)
+    add_args: ArgMap = Field(default_factory=dict)
+    add_envs: EnvMap = Field(default_factory=dict)
 
 
 class RouterNode(_Strict):

@@ -16,25 +16,22 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from sous.engine.outputs import CompletionOutput, RequestOutput
 from sous.engine.sampling_params import RequestOutputKind
 from sous.server.errors import APIError, bad_request
 from sous.server.protocol import ChatCompletionRequest, ChatMessage, TextPart, parse_request
 from sous.server.serving_common import (
-    ClientDisconnected,
     EngineJob,
     EngineStream,
     ServingContext,
-    SSEResponse,
     chat_logprobs,
     dumps,
     engine_error,
-    first_output,
     make_sampling_params,
     resolve_max_tokens,
-    until_disconnect,
+    respond,
     usage_dict,
 )
 
@@ -106,25 +103,9 @@ class ChatServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.ctx.log_request(request_id, prompt, ids, params)
         stream = EngineStream(self.ctx, [EngineJob(request_id, ids, params, prompt)])
-        try:
-            first = await first_output(request, stream)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:
-            return engine_error(e).response()
         role = self.ctx.config.response_role if req.add_generation_prompt else req.messages[-1].role
         run = _ChatRun(self.ctx, req, request_id, len(ids), role)
-        if req.stream:
-            return SSEResponse(run.stream(first, stream))
-        try:
-            body = await until_disconnect(request, run.collect(first, stream))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:
-            return engine_error(e).response()
-        finally:
-            await stream.aclose()
-        return JSONResponse(body)
+        return await respond(request, stream, run, bool(req.stream))
 
 
 class _ChatRun:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -263,6 +264,29 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+async def respond(request: Request, stream: EngineStream, run: Any, want_stream: bool) -> Response:
+    """Wait for the first engine output (so request errors still get their status), then
+    either stream SSE (`run.stream(first, stream)`) or collect one JSON body
+    (`run.collect(first, stream)`). A disconnected client gets 499 and its requests aborted."""
+    try:
+        first = await first_output(request, stream)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as e:
+        return engine_error(e).response()
+    if want_stream:
+        return SSEResponse(run.stream(first, stream))
+    try:
+        body = await until_disconnect(request, run.collect(first, stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as e:
+        return engine_error(e).response()
+    finally:
+        await stream.aclose()
+    return JSONResponse(body)
 
 
 def engine_error(e: BaseException) -> APIError:

@@ -16,25 +16,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from sous.engine.outputs import CompletionOutput, RequestOutput
 from sous.engine.sampling_params import RequestOutputKind
 from sous.server.errors import bad_request
 from sous.server.protocol import CompletionRequest, parse_request
 from sous.server.serving_common import (
-    ClientDisconnected,
     EngineJob,
     EngineStream,
     ServingContext,
-    SSEResponse,
     completion_logprobs,
     dumps,
     engine_error,
-    first_output,
     make_sampling_params,
     resolve_max_tokens,
-    until_disconnect,
+    respond,
     usage_dict,
 )
 
@@ -74,24 +71,8 @@ class CompletionServing:
             self.ctx.log_request(sub_id, text, ids, params)
             jobs.append(EngineJob(sub_id, ids, params, text))
         stream = EngineStream(self.ctx, jobs)
-        try:
-            first = await first_output(request, stream)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:
-            return engine_error(e).response()
         run = _Run(self.ctx, req, request_id, prompts)
-        if req.stream:
-            return SSEResponse(run.stream(first, stream))
-        try:
-            body = await until_disconnect(request, run.collect(first, stream))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:
-            return engine_error(e).response()
-        finally:
-            await stream.aclose()
-        return JSONResponse(body)
+        return await respond(request, stream, run, bool(req.stream))
 
     def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt."""
