@@ -67,7 +67,7 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
     (["--tool-call-parser", "minimax_m2"], False),
     (["--reasoning-parser", "minimax_m2"], False),
     (["--kv-transfer-config", _KV_BOTH], False),
-    (["--kv-events-config", _EVENTS], False),
+    (["--kv-events-config", _EVENTS], True),
     (["--speculative-config", _EAGLE], False),
 ]
 

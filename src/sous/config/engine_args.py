@@ -102,7 +102,18 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "data_parallel_rpc_port": lambda v: None if v is None or 0 < v < 65536 else "not a port",
     "port": lambda v: None if 0 <= v < 65536 else "not a port",
     "max_log_len": at_least(0),
+    "kv_events_config": lambda v: _kv_events_problem(v),
 }
+
+
+def _kv_events_problem(value: dict[str, Any] | None) -> str | None:
+    from sous.kv_transfer.events import KVEventsConfig
+
+    try:
+        KVEventsConfig.from_dict(value or {})
+    except (TypeError, ValueError) as e:
+        return str(e).removeprefix("--kv-events-config: ")
+    return None
 
 
 # ----------------------------------------------------------------------------- not yet
@@ -137,8 +148,6 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
            "sous runs its own model implementations (`auto`/`vllm`)"),
     NotYet("kv_transfer_config", lambda v: v is not None, "--kv-transfer-config",
            "KV connectors (offload, P/D transfer) are planned"),
-    NotYet("kv_events_config", lambda v: v is not None, "--kv-events-config",
-           "KV cache events are planned"),
     NotYet("speculative_config", lambda v: v is not None, "--speculative-config",
            "speculative decoding is planned"),
     NotYet("enable_auto_tool_choice", bool, "--enable-auto-tool-choice",

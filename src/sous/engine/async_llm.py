@@ -146,6 +146,7 @@ class AsyncLLM:
         self._stopped = True
         self._inbox.put(("stop", None))
         self._thread.join(timeout=10)
+        self.core.shutdown()
 
     # ---- engine thread ---------------------------------------------------------------------
     def _call(self, fn: Callable[[], Any]) -> Future:

@@ -24,6 +24,7 @@ from sous.engine.request import Request, RequestStatus
 from sous.engine.runner import ModelRunner
 from sous.engine.sampling_params import SamplingParams
 from sous.engine.scheduler import Scheduler, SchedulerStats
+from sous.kv_transfer.events import KVEventsConfig, ZmqEventPublisher
 from sous.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -73,14 +74,31 @@ class EngineCore:
             num_blocks * spec.page_bytes(cache.block_size) / 2**30, spec.bytes_per_token,
             self.device, self.max_model_len, time.monotonic() - start)
         self.num_blocks = num_blocks
+        self.publisher = self._make_publisher(config)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
                                                cache.enable_prefix_caching,
-                                               cache.prefix_caching_hash_algo)
+                                               cache.prefix_caching_hash_algo,
+                                               enable_kv_events=self.publisher is not None)
         sched_config = replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_config, self.kv_cache_manager)
         self.runner = ModelRunner(self.loaded.model, kv_caches, cache.block_size, self.device,
                                   seed=config.model.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    @staticmethod
+    def _make_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
+        events = KVEventsConfig.from_dict(config.kv_events_config or {})
+        if not events.enable_kv_cache_events or events.publisher == "null":
+            return None
+        if not config.cache.enable_prefix_caching:
+            logger.warning("--kv-events-config: KV events describe the prefix cache, which "
+                           "is disabled (--no-enable-prefix-caching): none will be published.")
+            return None
+        return ZmqEventPublisher(events)
+
+    def _publish_events(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(self.kv_cache_manager.take_events())
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -150,10 +168,17 @@ class EngineCore:
         done = [r.request_id for r, _ in produced if r.is_finished()]
         if done:
             self.runner.remove_requests(done)
+        self._publish_events()
         return out.total_num_scheduled_tokens
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        self._publish_events()
+        return ok
+
+    def shutdown(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from sous.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from sous.engine.kv_cache.hashing import get_hash_fn, hash_request_blocks, none_hash
 from sous.engine.request import Request
+from sous.kv_transfer.events import Event, all_blocks_cleared, block_removed, block_stored
 
 
 def cdiv(a: int, b: int) -> int:
@@ -33,10 +34,15 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         hash_algo: str = "sha256",
+        enable_kv_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_kv_events = enable_kv_events and enable_caching
+        self.events: list[Event] = []
+        """KV events since the last `take_events()` (only with enable_kv_events)."""
+        on_evict = self._on_evict if self.enable_kv_events else None
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict=on_evict)
         self.hash_fn = get_hash_fn(hash_algo)
         self.root_hash = none_hash(self.hash_fn) if enable_caching else b""
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -111,9 +117,34 @@ class KVCacheManager:
             return
         self.update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
-        for i in range(start, num_full):
-            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        stored = [i for i in range(start, num_full)
+                  if self.pool.cache_full_block(blocks[i], request.block_hashes[i])]
         self.num_cached_blocks[request.request_id] = num_full
+        if self.enable_kv_events and stored:
+            self._emit_stored(request, stored)
+
+    def _emit_stored(self, request: Request, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks of the request."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            parent = request.block_hashes[first - 1] if first > 0 else None
+            self.events.append(block_stored(
+                [request.block_hashes[i] for i in run], parent,
+                request.all_token_ids[first * bs:(last + 1) * bs], bs))
+
+    def _on_evict(self, block_hash: bytes) -> None:
+        self.events.append(block_removed([block_hash]))
+
+    def take_events(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
@@ -124,4 +155,8 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.enable_kv_events:
+            self.events.append(all_blocks_cleared())
+        return True
