@@ -86,7 +86,12 @@ class _Collector:
 
 
 class AsyncLLM:
-    def __init__(self, core: EngineCore) -> None:
+    """`start_thread=False` leaves the step loop to the caller: it must call
+    `run_engine_loop()` (blocking) on some thread, e.g. the main thread while uvicorn serves
+    from another (`sous serve` does this: torch ops measured markedly faster on the main
+    thread than on a secondary one on this CPU)."""
+
+    def __init__(self, core: EngineCore, start_thread: bool = True) -> None:
         self.core = core
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
@@ -95,12 +100,16 @@ class AsyncLLM:
         self._collectors: dict[str, _Collector] = {}
         self._error: BaseException | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="sous-engine", daemon=True)
-        self._thread.start()
+        self._loop_running = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start_thread:
+            self._thread = threading.Thread(target=self.run_engine_loop, name="sous-engine",
+                                            daemon=True)
+            self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        return cls(EngineCore(config))
+    def from_config(cls, config: EngineConfig, start_thread: bool = True) -> AsyncLLM:
+        return cls(EngineCore(config), start_thread=start_thread)
 
     # ---- API ------------------------------------------------------------------------------
     async def generate(
@@ -137,15 +146,18 @@ class AsyncLLM:
         return self.core.stats()
 
     def is_healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        return self._error is None and not self._stopped and (
+            self._loop_running.is_set() or self._thread is None)
 
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.wrap_future(self._call(self.core.reset_prefix_cache))
 
     def shutdown(self) -> None:
+        """Stop the step loop (whichever thread runs it) and release the engine."""
         self._stopped = True
         self._inbox.put(("stop", None))
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         self.core.shutdown()
 
     # ---- engine thread ---------------------------------------------------------------------
@@ -170,7 +182,9 @@ class AsyncLLM:
             except Exception as e:
                 fut.set_exception(e)
 
-    def _loop(self) -> None:
+    def run_engine_loop(self) -> None:
+        """Step the engine until `shutdown()`; blocks. KeyboardInterrupt propagates."""
+        self._loop_running.set()
         try:
             while not self._stopped:
                 block = not self.core.has_unfinished_requests()
@@ -185,8 +199,13 @@ class AsyncLLM:
                     pass
                 if self.core.has_unfinished_requests():
                     self.core.step()
+        except KeyboardInterrupt:
+            self._stopped = True
+            raise
         except BaseException as e:  # a dead engine must not leave clients hanging
             logger.exception("Engine loop died")
             self._error = e
             for collector in list(self._collectors.values()):
                 collector.put_threadsafe(EngineDeadError(f"The engine has stopped: {e!r}"))
+        finally:
+            self._loop_running.clear()

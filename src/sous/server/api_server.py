@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import signal
 import time
 import uuid
 from typing import Any
@@ -153,20 +154,31 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
 
 
 def run_server(engine_config: Any, server_config: ServerConfig | None = None) -> None:
-    """Load the engine, serve until interrupted (SIGINT/SIGTERM), then shut the engine down."""
-    import uvicorn
+    """Load the engine, serve until SIGINT/SIGTERM, then shut everything down.
 
+    The engine's step loop runs on the main thread and uvicorn on a background thread."""
     from sous.engine.async_llm import AsyncLLM
+    from sous.server.handle import ServerHandle
 
     config = server_config or ServerConfig()
     logger.info("Loading engine ...")
-    engine = AsyncLLM.from_config(engine_config)
+    engine = AsyncLLM.from_config(engine_config, start_thread=False)
+    # Installed explicitly: a background job's SIGINT may arrive ignored (SIG_IGN) otherwise.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_keyboard_interrupt)
+    handle = ServerHandle(engine, config, host=config.host, port=config.port)
     try:
-        app = build_app(engine, config)
+        handle.start()
         logger.info("Serving model %r (max_model_len=%d) on http://%s:%d",
-                    engine.served_model_name, engine.max_model_len, config.host, config.port)
-        uvicorn.run(app, host=config.host, port=config.port,
-                    log_level=config.uvicorn_log_level, timeout_keep_alive=5)
+                    engine.served_model_name, engine.max_model_len, handle.host, handle.port)
+        engine.run_engine_loop()
+    except KeyboardInterrupt:
+        pass
     finally:
-        logger.info("Shutting down the engine.")
+        logger.info("Shutting down.")
+        handle.stop()
         engine.shutdown()
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
