@@ -57,7 +57,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, _Parent] = {}
-        self.child_to_parent: dict[str, _Parent] = {}
+        self.children: dict[str, tuple[_Parent, _Child]] = {}
+        """Engine request id -> (its user request, its output state)."""
 
     def add_request(self, request_id: str, prompt: str | None, children: list[Request],
                     sink: Sink) -> None:
@@ -67,9 +68,9 @@ class OutputProcessor:
             want_lp = child.sampling_params.logprobs is not None
             detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
                                            child.sampling_params)
-            parent.children.append(
-                _Child(child, i, detok, [] if want_lp else None, 0.0 if want_lp else None))
-            self.child_to_parent[child.request_id] = parent
+            state = _Child(child, i, detok, [] if want_lp else None, 0.0 if want_lp else None)
+            parent.children.append(state)
+            self.children[child.request_id] = (parent, state)
         self.parents[request_id] = parent
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -80,7 +81,7 @@ class OutputProcessor:
         parent = self.parents.pop(request_id, None)
         if parent:
             for c in parent.children:
-                self.child_to_parent.pop(c.request.request_id, None)
+                self.children.pop(c.request.request_id, None)
 
     def process(
         self,
@@ -93,11 +94,10 @@ class OutputProcessor:
         touched: dict[str, _Parent] = {}
         now = time.monotonic()
         for request, new_tokens in produced:
-            parent = self.child_to_parent.get(request.request_id)
-            if parent is None:
+            entry = self.children.get(request.request_id)
+            if entry is None:
                 continue
-            child = parent.children[int(request.request_id.split("_", 1)[0])] \
-                if len(parent.children) > 1 else parent.children[0]
+            parent, child = entry
             if parent.first_token_time is None:
                 parent.first_token_time = now
             if self._add_tokens(child, new_tokens, logprobs.get(request.request_id)):
