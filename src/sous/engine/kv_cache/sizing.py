@@ -8,13 +8,10 @@ import psutil
 import torch
 
 from sous.config.cache import CacheConfig
+from sous.engine.kv_cache.manager import cdiv
 from sous.engine.kv_cache.spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def activation_bytes_estimate(hidden_size: int, vocab_size: int, max_num_batched_tokens: int,
