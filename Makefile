@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
-APT_PACKAGES ?=
+APT_PACKAGES ?= chromium chromium-driver
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 

@@ -13,6 +13,10 @@ from torch import nn
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "sous.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "sous.models.llama:LlamaForCausalLM",
+    "DeepseekV3ForCausalLM": "sous.models.deepseek:DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM": "sous.models.deepseek:DeepseekV32ForCausalLM",
+    "AXK2ForCausalLM": "sous.models.deepseek:AXK2ForCausalLM",
+    "MiniMaxM2ForCausalLM": "sous.models.minimax_m2:MiniMaxM2ForCausalLM",
 }
 
 
