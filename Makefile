@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
-APT_PACKAGES ?= chromium chromium-driver
+APT_PACKAGES ?= chromium chromium-driver fonts-nanum
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 

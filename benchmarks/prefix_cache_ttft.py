@@ -3,6 +3,11 @@ versus the first (miss), on `sous serve` with the bundled model. Prints JSON.
 
 Each trial uses a fresh system prompt (so the first request is a real miss), then asks a
 different question on the same conversation prefix. Medians over --trials.
+
+`--sub-block`: the recipes' large blocks instead. Two servers with `--block-size 1024
+--max-num-batched-tokens 128` and a shared prefix covering ~70% of one block, one with
+`VLLM_RBLN_SUB_BLOCK_CACHE=1` (sub-blocks of 128 tokens reused), one with `=0` (only full
+blocks, so nothing of the prefix is reused); the hit TTFT of both, and their ratio.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -47,6 +53,30 @@ async def measure(base_url: str, model: str, trials: int, num_words: int) -> dic
             "hit_runs_ms": [round(x, 1) for x in hits]}
 
 
+def run_server_and_measure(args: argparse.Namespace, words: int) -> tuple[dict, float]:
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="sous-prefix-")) / "server.log"
+    proc, ready_s = start_server(args, port, log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        return asyncio.run(measure(base, "SmolLM2-135M-Instruct", args.trials, words)), ready_s
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def sub_block_comparison(args: argparse.Namespace) -> dict:
+    args.server_arg = [*args.server_arg, "--block-size", "1024",
+                       "--max-num-batched-tokens", "128"]
+    runs = {}
+    for mode, env in (("sub_block_on", "1"), ("sub_block_off", "0")):
+        os.environ["VLLM_RBLN_SUB_BLOCK_CACHE"] = env
+        runs[mode], _ = run_server_and_measure(args, args.words)
+    on, off = runs["sub_block_on"]["ttft_hit_ms"], runs["sub_block_off"]["ttft_hit_ms"]
+    return {"block_size": 1024, "sub_block_size": 128, **runs,
+            "hit_speedup_on_vs_off": round(off / on, 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--trials", type=int, default=5)
@@ -55,17 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--server-arg", action="append", default=[])
+    p.add_argument("--sub-block", action="store_true",
+                   help="block 1024, prefix ~70%% of a block: sub-block caching on vs off")
     args = p.parse_args(argv)
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="sous-prefix-")) / "server.log"
-    proc, ready_s = start_server(args, port, log)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        out = asyncio.run(measure(base, "SmolLM2-135M-Instruct", args.trials, args.words))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    out.update({"server_args": args.server_arg, "dtype": args.dtype, "ready_s": round(ready_s, 1)})
+    if args.sub_block:
+        if args.words == 1400:
+            args.words = 690
+        out = sub_block_comparison(args)
+    else:
+        out, ready_s = run_server_and_measure(args, args.words)
+        out["ready_s"] = round(ready_s, 1)
+    out.update({"server_args": args.server_arg, "dtype": args.dtype})
     json.dump(out, sys.stdout, indent=2)
     print()
     return 0

@@ -124,3 +124,38 @@ def test_bad_request_does_not_disturb(llm: LLM) -> None:
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=5000), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_greedy_identical_with_prefix_caching_off_on_and_sub_block(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests sharing 1.6 blocks of a 64-token-block cache: the second and third reuse one
+    full block (caching on), plus the matching sub-blocks of the next block (sub-block on)."""
+    monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", "1")
+    shared = "Here is a long shared system prompt about the history of bread. " * 8
+    prompts = [shared + "Question one: what is yeast?", shared + "Question two: who baked?",
+               shared + "Question three: why salt?"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for name, caching, env in [("off", False, "1"), ("on", True, "0"), ("sub", True, "1")]:
+        monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", env)
+        llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+                  block_size=64, max_num_batched_tokens=16, enable_prefix_caching=caching)
+        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+        results[name] = ([o.outputs[0].token_ids for o in outs],
+                         [o.num_cached_tokens for o in outs])
+    assert results["on"][0] == results["off"][0] == results["sub"][0]
+    ids = [llm.get_tokenizer().encode(p) for p in prompts]
+
+    def common(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                    min(len(a), len(b)))
+
+    expected_sub = [0]
+    for i in (1, 2):
+        match = min(max(common(ids[i], ids[j]) for j in range(i)), len(ids[i]) - 1)
+        full = match // 64 * 64
+        expected_sub.append(full + min((match - full) // 16, 3) * 16)
+    assert results["off"][1] == [0, 0, 0]
+    assert results["on"][1] == [0, 64, 64]
+    assert results["sub"][1] == expected_sub
+    assert expected_sub[1] > 64

@@ -62,10 +62,10 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
     (["--data-parallel-rpc-port", "5555"], False),
     (["--enable-expert-parallel"], False),
     (["--pipeline-parallel-size", "4"], False),
-    (["--kv-cache-dtype", "fp8"], False),
-    (["--enable-auto-tool-choice"], False),
-    (["--tool-call-parser", "minimax_m2"], False),
-    (["--reasoning-parser", "minimax_m2"], False),
+    (["--kv-cache-dtype", "fp8"], True),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], True),
+    (["--tool-call-parser", "minimax_m2"], True),
+    (["--reasoning-parser", "minimax_m2"], True),
     (["--kv-transfer-config", _KV_BOTH], False),
     (["--kv-events-config", _EVENTS], True),
     (["--speculative-config", _EAGLE], False),
@@ -131,6 +131,8 @@ def test_every_recipe_arg_parses_or_is_not_yet(capsys: pytest.CaptureFixture[str
     not_yet_flags = {row.flag for row in NOT_SUPPORTED_YET}
     for text in strings:
         argv = shlex.split(text)
+        if argv == ["--enable-auto-tool-choice"]:  # needs its parser, as in vLLM
+            argv += ["--tool-call-parser", "hermes"]
         try:
             parse_serve_args(argv, environ={})
         except SystemExit as e:
@@ -140,12 +142,10 @@ def test_every_recipe_arg_parses_or_is_not_yet(capsys: pytest.CaptureFixture[str
 
 
 def test_all_not_yet_flags_listed_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _exit2(["--data-parallel-size", "4", "--enable-expert-parallel", "--kv-cache-dtype",
-                  "fp8", "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m2",
-                  "--reasoning-parser", "minimax_m2", "--tensor-parallel-size", "2",
+    err = _exit2(["--data-parallel-size", "4", "--enable-expert-parallel",
+                  "--tensor-parallel-size", "2",
                   "--no-enable-chunked-prefill", "--model-impl", "transformers"], capsys)
-    for flag in ("--data-parallel-size", "--enable-expert-parallel", "--kv-cache-dtype",
-                 "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
+    for flag in ("--data-parallel-size", "--enable-expert-parallel",
                  "--tensor-parallel-size", "--no-enable-chunked-prefill", "--model-impl"):
         assert f"`{flag}` is not supported yet" in err
 
@@ -285,3 +285,8 @@ def test_kwargs_api(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(NotSupportedYetError, match="kv_transfer_config"):
         engine_config_from_kwargs(kv_transfer_config=cfg)
 
+
+
+def test_auto_tool_choice_needs_a_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit2(["--enable-auto-tool-choice"], capsys)
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in err

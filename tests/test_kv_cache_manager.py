@@ -42,7 +42,7 @@ def test_allocate_and_prefix_hit() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True, hash_algo="sha256_cbor")
     r1 = make_request("a", list(range(1, 11)))  # 10 tokens: 2 full blocks + 2
     hits, n = kv.get_computed_blocks(r1)
-    assert (hits, n) == ([], 0)
+    assert (hits.block_ids, n) == ([], 0)
     new = kv.allocate_slots(r1, 10)
     assert [b.block_id for b in new] == [1, 2, 3]
     assert kv.pool.cached_blocks.keys() == set(r1.block_hashes)
@@ -53,7 +53,7 @@ def test_allocate_and_prefix_hit() -> None:
 
     r2 = make_request("b", list(range(1, 9)) + [99, 98, 97])  # shares 2 full blocks
     hits, n = kv.get_computed_blocks(r2)
-    assert [b.block_id for b in hits] == [1, 2]
+    assert hits.block_ids == [1, 2]
     assert n == 8
     new = kv.allocate_slots(r2, 3, hits)
     assert [b.block_id for b in new] == [4]
@@ -69,7 +69,7 @@ def test_hit_is_capped_below_prompt_length() -> None:
     kv.free(r1)
     r2 = make_request("b", list(range(1, 9)))
     hits, n = kv.get_computed_blocks(r2)
-    assert [b.block_id for b in hits] == [1]  # the last block is recomputed
+    assert hits.block_ids == [1]  # the last block is recomputed
     assert n == 4
 
 
@@ -81,7 +81,7 @@ def test_eviction_of_cached_block_on_reuse() -> None:
     assert len(kv.pool.cached_blocks) == 2
     r2 = make_request("b", [7, 7, 7, 7, 7])
     hits, _ = kv.get_computed_blocks(r2)
-    assert hits == []
+    assert hits.block_ids == []
     kv.allocate_slots(r2, 5)
     # Free order was [3, 2, 1]: all three reused, both cached hashes evicted.
     assert kv.get_block_ids("b") == [3, 2, 1]
@@ -127,7 +127,8 @@ def test_caching_disabled_never_hits() -> None:
     kv.allocate_slots(r1, 5)
     kv.free(r1)
     r2 = make_request("b", [1, 2, 3, 4, 5])
-    assert kv.get_computed_blocks(r2) == ([], 0)
+    hits, n = kv.get_computed_blocks(r2)
+    assert (hits.block_ids, n) == ([], 0)
     assert not kv.pool.cached_blocks
 
 

@@ -14,6 +14,7 @@ import torch
 from sous.config.load import LoadConfig
 from sous.config.model import ModelConfig
 from sous.engine.attention import AttentionMetadata
+from sous.engine.kv_cache.fp8 import with_cache_dtype
 from sous.models.layers.linear import int4_kernel_available
 from sous.models.loader import load_model
 from tiny_models import make_tiny_llama
@@ -27,11 +28,13 @@ class PagedRunner:
     ids, so tables are not contiguous), chunked prefill, decode, mixed batches."""
 
     def __init__(
-        self, model: torch.nn.Module, block_size: int, num_blocks: int = 256, seed: int = 0
+        self, model: torch.nn.Module, block_size: int, num_blocks: int = 256, seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ):
         self.model = model
         self.block_size = block_size
-        self.caches = model.kv_cache_spec().allocate(num_blocks, block_size, CPU)
+        spec = with_cache_dtype(model.kv_cache_spec(), kv_cache_dtype)
+        self.caches = spec.allocate(num_blocks, block_size, CPU)
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}

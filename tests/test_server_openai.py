@@ -246,9 +246,11 @@ def test_bad_sampling_values_400(client: openai.OpenAI, model: str) -> None:
         client.completions.create(model=model, prompt="x", max_tokens=2, temperature=-0.5)
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.chat.completions.create(model=model, messages=MESSAGES, top_p=0.0)
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.chat.completions.create(model=model, messages=MESSAGES,
-                                       response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="objx"):
+        client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=4,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "objx"}}})
 
 
 def test_api_key_401(engine: Any) -> None:

@@ -49,8 +49,11 @@ def chat(**kw: object) -> ChatCompletionRequest:
 
 
 @pytest.mark.parametrize("kw", [
-    {}, {"tool_choice": "none"}, {"tools": [{"type": "function"}], "tool_choice": "none"},
+    {}, {"tool_choice": "none"},
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
     {"response_format": {"type": "text"}}, {"max_completion_tokens": 3, "max_tokens": 9},
+    {"response_format": {"type": "json_object"}}, {"guided_regex": "a+"},
+    {"structured_outputs": {"choice": ["a"]}},
     {"stream": True, "stream_options": {"include_usage": True}},
 ])
 def test_chat_checks_accept(kw: dict) -> None:
@@ -61,15 +64,28 @@ def test_chat_checks_accept(kw: dict) -> None:
 
 
 @pytest.mark.parametrize("kw", [
-    {"tools": [{"type": "function"}]}, {"tool_choice": "required"},
-    {"response_format": {"type": "json_object"}}, {"guided_regex": "a+"},
-    {"structured_outputs": {"choice": ["a"]}}, {"top_logprobs": 2},
+    {"tools": [{"type": "function"}]}, {"tool_choice": "required"}, {"top_logprobs": 2},
     {"logprobs": True, "top_logprobs": 21}, {"stream_options": {"include_usage": True}},
     {"continue_final_message": True}, {"best_of": 3}, {"logit_bias": {"1": 2.0}},
 ])
 def test_chat_checks_reject(kw: dict) -> None:
     with pytest.raises(APIError) as info:
         chat(**kw).check()
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "only use one kind"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+    ({"guided_regex": "a(+"}, "regex"),
+])
+def test_structured_output_constraints_reject(kw: dict, match: str) -> None:
+    from sous.server.structured_request import build_structured_outputs
+
+    req = chat(**kw)
+    req.check()
+    with pytest.raises(APIError, match=match) as info:
+        build_structured_outputs(req)
     assert info.value.status == 400
 
 

@@ -103,7 +103,19 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "port": lambda v: None if 0 <= v < 65536 else "not a port",
     "max_log_len": at_least(0),
     "kv_events_config": lambda v: _kv_events_problem(v),
+    "tool_call_parser": lambda v: _parser_problem("tool_parsers", "tool call", v),
+    "reasoning_parser": lambda v: _parser_problem("reasoning", "reasoning", v),
 }
+
+
+def _parser_problem(package: str, what: str, name: str | None) -> str | None:
+    """Unknown `--tool-call-parser` / `--reasoning-parser` names (the registries list them)."""
+    import importlib
+
+    known = importlib.import_module(f"sous.server.{package}").names()
+    if name is None or name in known:
+        return None
+    return f"unknown {what} parser; choose from {', '.join(known)}"
 
 
 def _kv_events_problem(value: dict[str, Any] | None) -> str | None:
@@ -140,8 +152,6 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("data_parallel_rpc_port", lambda v: v is not None, "--data-parallel-rpc-port", _DP),
     NotYet("enable_expert_parallel", bool, "--enable-expert-parallel",
            "expert parallelism needs several ranks"),
-    NotYet("kv_cache_dtype", lambda v: v != "auto", "--kv-cache-dtype",
-           "the KV cache is kept in the model dtype (only `auto`)"),
     NotYet("enable_chunked_prefill", lambda v: not v, "--no-enable-chunked-prefill",
            "the scheduler always chunks prefills"),
     NotYet("model_impl", lambda v: v == "transformers", "--model-impl",
@@ -150,12 +160,6 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
            "KV connectors (offload, P/D transfer) are planned"),
     NotYet("speculative_config", lambda v: v is not None, "--speculative-config",
            "speculative decoding is planned"),
-    NotYet("enable_auto_tool_choice", bool, "--enable-auto-tool-choice",
-           "tool calling is planned"),
-    NotYet("tool_call_parser", lambda v: v is not None, "--tool-call-parser",
-           "tool calling is planned"),
-    NotYet("reasoning_parser", lambda v: v is not None, "--reasoning-parser",
-           "reasoning parsing is planned"),
 )
 
 
@@ -390,6 +394,8 @@ def parse_serve_args(
     problems = _not_yet_messages(values)
     if problems:
         parser.exit(2, "".join(f"{parser.prog}: error: {p}\n" for p in problems))
+    if values["enable_auto_tool_choice"] and not values["tool_call_parser"]:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     _log_notes(values)
     return _build(values)
 

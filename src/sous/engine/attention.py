@@ -185,20 +185,51 @@ class AttentionMetadata:
         return meta
 
 
+FP8_DTYPES = (torch.float8_e4m3fn,)
+_FP8_MAX = 448.0
+
+
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store new keys/values `[T, Hkv, D]` into `kv_cache` `[2, nb, bs, Hkv, D]` at the slots."""
+    """Store new keys/values `[T, Hkv, D]` into `kv_cache` `[2, nb, bs, Hkv, D]` at the slots.
+    An fp8 cache stores `k / k_scale` and `v / v_scale`, saturated to the e4m3 range."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     kv = torch.stack((k, v))
+    if kv_cache.dtype in FP8_DTYPES:
+        if k_scale != 1.0 or v_scale != 1.0:
+            kv = kv / kv.new_tensor([k_scale, v_scale]).view(2, 1, 1, 1)
+        kv = kv.clamp(-_FP8_MAX, _FP8_MAX).to(kv_cache.dtype)
+        # index_copy_ has no float8 kernel on every device: move the bytes instead.
+        flat.view(torch.uint8).index_copy_(1, slot_mapping, kv.view(torch.uint8))
+        return
     if kv.dtype != kv_cache.dtype:
         kv = kv.to(kv_cache.dtype)
     flat.index_copy_(1, slot_mapping, kv)
 
 
+def read_kv(kv: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+    """Gathered cache contents `[2, ...]` -> `dtype`, with an fp8 cache's scales applied."""
+    if kv.dtype == dtype:
+        return kv
+    out = kv.to(dtype)
+    if k_scale != 1.0:
+        out[0] *= k_scale
+    if v_scale != 1.0:
+        out[1] *= v_scale
+    return out
+
+
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """`[2, len(block_ids) * bs, Hkv, D]`: the cache contents of the given blocks, in order."""
     _, nb, bs, h, d = kv_cache.shape
+    if kv_cache.dtype in FP8_DTYPES:
+        return _gather(kv_cache.view(torch.uint8), block_ids).view(kv_cache.dtype)
     flat = kv_cache.view(2, nb, bs * h * d)
     n = block_ids.shape[0]
     if n < 16:
@@ -212,15 +243,18 @@ def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """q `[Bd, Hq, D]` -> `[Bd, Hq, D]` over each decode sequence's cached context."""
     bd, hq, d = q.shape
     assert meta.decode_block_ids is not None
     hkv = kv_cache.shape[-2]
-    kv = _gather(kv_cache, meta.decode_block_ids).view(2, bd, -1, hkv, d)
-    if kv.dtype != q.dtype:
-        kv = kv.to(q.dtype)
+    kv = read_kv(_gather(kv_cache, meta.decode_block_ids), q.dtype, *kv_scales)
+    kv = kv.view(2, bd, -1, hkv, d)
     # The query heads sharing a KV head become that head's "query length": no K/V repeat.
     out = F.scaled_dot_product_attention(
         q.view(bd, hkv, hq // hkv, d),
@@ -239,6 +273,7 @@ def _prefill_attention(
     kv_cache: torch.Tensor,
     p: PrefillSeq,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """One sequence's queries `[Lq, Hq, D]` over its context -> `[Lq, Hq, D]`."""
     qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
@@ -246,10 +281,8 @@ def _prefill_attention(
         ks = k[p.start : p.end]
         vs = v[p.start : p.end]
     else:
-        kv = _gather(kv_cache, p.block_ids)[:, : p.seq_len]
+        kv = read_kv(_gather(kv_cache, p.block_ids)[:, : p.seq_len], q.dtype, *kv_scales)
         ks, vs = kv[0], kv[1]
-        if ks.dtype != q.dtype:
-            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
     ks = ks.transpose(0, 1).unsqueeze(0)
     vs = vs.transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
@@ -271,27 +304,30 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for a step's tokens over the paged cache.
 
     q `[T, Hq, D]`, k/v `[T, Hkv, D]` (new tokens only). Writes k/v into `kv_cache`
     (`[2, num_blocks, block_size, Hkv, D]`) at `meta.slot_mapping`, then attends each sequence's
     queries over its whole context (cached + new). Returns `[T, Hq, D]` in q's dtype.
+    `k_scale`/`v_scale` are an fp8 cache's per-layer scales (stored value = k / k_scale).
     """
-    write_kv(k, v, kv_cache, meta.slot_mapping)
+    write_kv(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    kv_scales = (k_scale, v_scale)
     if not meta.prefills and meta.decode_token_slice == (0, meta.num_tokens):
-        return _decode_attention(q, kv_cache, meta, scale)
+        return _decode_attention(q, kv_cache, meta, scale, kv_scales)
     out = torch.empty_like(q)
     if meta.decode_rows:
         if meta.decode_token_slice is not None:
             a, b = meta.decode_token_slice
-            out[a:b] = _decode_attention(q[a:b], kv_cache, meta, scale)
+            out[a:b] = _decode_attention(q[a:b], kv_cache, meta, scale, kv_scales)
         else:
             idx = meta.decode_token_idx
             assert idx is not None
-            out.index_copy_(
-                0, idx, _decode_attention(q.index_select(0, idx), kv_cache, meta, scale)
-            )
+            dec = _decode_attention(q.index_select(0, idx), kv_cache, meta, scale, kv_scales)
+            out.index_copy_(0, idx, dec)
     for p in meta.prefills:
-        out[p.start : p.end] = _prefill_attention(q, k, v, kv_cache, p, scale)
+        out[p.start : p.end] = _prefill_attention(q, k, v, kv_cache, p, scale, kv_scales)
     return out

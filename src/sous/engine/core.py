@@ -13,17 +13,20 @@ from dataclasses import replace
 import torch
 
 from sous.config.engine import EngineConfig
+from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
 from sous.engine.kv_cache.manager import KVCacheManager
 from sous.engine.kv_cache.sizing import (
     activation_bytes_estimate,
     check_max_model_len_fits,
     num_kv_blocks,
 )
+from sous.engine.kv_cache.sub_block import resolve_sub_block_size
 from sous.engine.output_processor import OutputProcessor, Sink
 from sous.engine.request import Request, RequestStatus
 from sous.engine.runner import ModelRunner
 from sous.engine.sampling_params import SamplingParams
 from sous.engine.scheduler import Scheduler, SchedulerStats
+from sous.engine.structured_output.manager import StructuredOutputManager
 from sous.kv_transfer.events import KVEventsConfig, ZmqEventPublisher
 from sous.models.loader import LoadedModel, load_model
 
@@ -59,7 +62,11 @@ class EngineCore:
             config.model.max_model_len, self.loaded.max_position_embeddings)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         cache = config.cache
-        spec = self.loaded.model.kv_cache_spec()
+        spec = with_cache_dtype(self.loaded.model.kv_cache_spec(), cache.kv_cache_dtype)
+        if cache.kv_cache_dtype != "auto":
+            n = apply_kv_scales(self.loaded.model, self.loaded.kv_scales)
+            logger.info("KV cache dtype %s: %d per-layer scales from the checkpoint (others 1.0)",
+                        cache.kv_cache_dtype, n)
         hf = self.loaded.hf_config
         act = activation_bytes_estimate(hf.hidden_size, hf.vocab_size,
                                         config.scheduler.max_num_batched_tokens,
@@ -75,12 +82,20 @@ class EngineCore:
             self.device, self.max_model_len, time.monotonic() - start)
         self.num_blocks = num_blocks
         self.publisher = self._make_publisher(config)
+        sub_block_size = resolve_sub_block_size(cache.block_size,
+                                                config.scheduler.max_num_batched_tokens,
+                                                cache.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
                                                cache.enable_prefix_caching,
                                                cache.prefix_caching_hash_algo,
-                                               enable_kv_events=self.publisher is not None)
+                                               enable_kv_events=self.publisher is not None,
+                                               sub_block_size=sub_block_size)
         sched_config = replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_config, self.kv_cache_manager)
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, hf.vocab_size, sorted(self.eos_token_ids),
+            config.scheduler.max_num_seqs)
+        self.scheduler.gates.append(self.structured_output_manager)
         self.runner = ModelRunner(self.loaded.model, kv_caches, cache.block_size, self.device,
                                   seed=config.model.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -114,6 +129,8 @@ class EngineCore:
         vocab = self.loaded.hf_config.vocab_size
         if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
             raise ValueError(f"Token id out of vocabulary (size {vocab}) in the prompt.")
+        if params.structured_outputs is not None:
+            self.structured_output_manager.validate(params.structured_outputs)
         room = self.max_model_len - n
         if params.max_tokens is None:
             return room
@@ -140,6 +157,7 @@ class EngineCore:
                                     self.eos_token_ids, max_tokens))
         self.output_processor.add_request(request_id, prompt, children, sink)
         for child in children:
+            self.structured_output_manager.init_request(child)
             self.scheduler.add_request(child)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -156,12 +174,20 @@ class EngineCore:
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> int:
         """One schedule -> forward -> update cycle. Returns the number of tokens computed."""
+        so = self.structured_output_manager
+        self._fail(so.take_failed())
         out = self.scheduler.schedule()
         if out.is_empty:
+            if so.has_pending():
+                so.wait_pending(timeout=0.05)
             return 0
+        out.grammar = so.grammar_output(out)
         runner_out = self.runner.execute_model(out)
         produced = self.scheduler.update_from_output(out, runner_out.sampled_token_ids)
-        stopped = self.output_processor.process(produced, runner_out.logprobs)
+        rejected = [r for r, _ in so.advance(produced)]
+        for request in rejected:
+            request.status = RequestStatus.FINISHED_ABORTED
+        stopped = self.output_processor.process(produced, runner_out.logprobs) + rejected
         if stopped:
             self.scheduler.finish_requests([r.request_id for r in stopped],
                                            RequestStatus.FINISHED_STOPPED)
@@ -170,6 +196,18 @@ class EngineCore:
             self.runner.remove_requests(done)
         self._publish_events()
         return out.total_num_scheduled_tokens
+
+    def _fail(self, failed: list[tuple[Request, str]]) -> None:
+        """Finish (as aborted, with a final output) requests that cannot run, e.g. whose
+        grammar failed to compile."""
+        for request, error in failed:
+            logger.error("Request %s failed: %s", request.request_id, error)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.output_processor.process([(request, [])], {})
+        if failed:
+            ids = [r.request_id for r, _ in failed]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            self.runner.remove_requests(ids)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -180,5 +218,6 @@ class EngineCore:
         return ok
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         if self.publisher is not None:
             self.publisher.close()

@@ -5,18 +5,24 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sous.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sous.engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_FSM = 1
+    """Waiting for its structured-output grammar to compile; not schedulable yet."""
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
@@ -60,6 +66,11 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of this request's full blocks, in order (filled by the KV cache manager)."""
+    structured_output_request: StructuredOutputRequest | None = None
+    """Grammar state when `sampling_params.structured_outputs` is set (owned by the
+    StructuredOutputManager)."""
+    sub_block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the sub-blocks of `all_token_ids` (sub-block prefix caching only)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -36,6 +36,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        self.copy_slots = model.kv_cache_spec().copy_slots
         torch.manual_seed(seed)
 
     def remove_requests(self, request_ids: list[str]) -> None:
@@ -71,6 +72,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for op in out.kv_cache_copy_ops:
+            self.copy_slots(self.kv_caches, op.src_block_id, op.dst_block_id, op.num_tokens)
         scheduled = out.scheduled
         input_ids: list[int] = []
         for s in scheduled:
@@ -94,6 +97,8 @@ class ModelRunner:
             last = meta.logits_indices[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(hidden[last])
         rows = [scheduled[i] for i in sample_rows]
+        if out.grammar is not None:
+            out.grammar.apply(logits, [s.request.request_id for s in rows])
         batch = self._sampling_batch(rows)
         sampler_out = sample(logits, batch)
         sampled = sampler_out.sampled.tolist()

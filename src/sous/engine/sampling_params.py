@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
+
+from sous.engine.structured_output.params import StructuredOutputsParams
 
 
 class RequestOutputKind(IntEnum):
@@ -42,8 +45,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output (JSON schema, regex, choice, grammar); a dict of
+    StructuredOutputsParams fields is accepted too."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            so: dict[str, Any] = self.structured_outputs
+            self.structured_outputs = StructuredOutputsParams(**so)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

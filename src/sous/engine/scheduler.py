@@ -12,10 +12,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from sous.config.scheduler import SchedulerConfig
 from sous.engine.kv_cache.manager import KVCacheManager
+from sous.engine.kv_cache.sub_block import KVCacheCopyOp
 from sous.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from sous.engine.structured_output.bitmask import GrammarOutput
 
 
 @dataclass
@@ -43,6 +48,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    kv_cache_copy_ops: list[KVCacheCopyOp] = field(default_factory=list)
+    """Sub-block prefix-cache hits: KV slots to copy before the forward pass."""
+    grammar: GrammarOutput | None = None
+    """Token bitmask of the structured-output rows (set by the engine after scheduling)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -63,6 +72,13 @@ class SchedulerStats:
     prefix_cache_hits: int
 
 
+class WaitGate(Protocol):
+    """Holds back waiting requests that cannot run yet (e.g. WAITING_FOR_FSM while their
+    grammar compiles). `ready` may move a request's status back to WAITING."""
+
+    def ready(self, request: Request) -> bool: ...
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -72,6 +88,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.gates: list[WaitGate] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -90,6 +107,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_scheduled_tokens
+        out.kv_cache_copy_ops = self.kv.take_copy_ops()
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -118,11 +136,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: deque[Request] = deque()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if not all(gate.ready(request) for gate in self.gates):
+                skipped.append(self.waiting.popleft())
+                continue
+            computed, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, n, hits) is None:
+            if self.kv.allocate_slots(request, n, computed) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -132,6 +154,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(request, request.num_computed_tokens, n,
@@ -150,6 +173,8 @@ class Scheduler:
     ) -> list[tuple[Request, list[int]]]:
         """Append sampled tokens, apply token-level stop conditions, free finished requests.
         Returns (request, new token ids) for every request that produced tokens."""
+        self.kv.commit([(s.request, s.num_computed_tokens + s.num_scheduled_tokens)
+                        for s in out.scheduled])
         produced: list[tuple[Request, list[int]]] = []
         finished: list[Request] = []
         for s in out.scheduled:

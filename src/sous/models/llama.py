@@ -65,6 +65,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.scale = head_dim**-0.5
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        """fp8 KV cache scales (set by the engine from the checkpoint, default 1.0)."""
         self.qkv_proj: nn.Module = _Unloaded()
         self.o_proj: nn.Module = _Unloaded()
 
@@ -83,7 +86,7 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj.forward(o.reshape(t, self.q_size))
 
 

@@ -1,4 +1,4 @@
-"""`sous recipe list | show | plan | check | launch`.
+"""`sous recipe list | show | plan | check | launch | page`.
 
 Exit status: 0 on success; 2 for a usage error — an unknown recipe, strategy, target, axis,
 value or placeholder (the message lists the valid choices), or an excluded selection (the
@@ -103,6 +103,16 @@ def make_parser() -> argparse.ArgumentParser:
     from sous.recipes.launch import add_launch_parser
 
     add_launch_parser(sub, _selection_args)
+    p = sub.add_parser(
+        "page", help="the recipe page in a browser (served, or written with --out)",
+        description="Serve the recipe page (every shipped recipe and each --recipe file): "
+        "strategies, options, the composed commands and their memory fit. With --out, write "
+        "the same page as static files (all compositions precomputed) and exit.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
+    p.add_argument("--recipe", dest="recipes", action="append", default=[], metavar="PATH",
+                   help="also show this recipe file (repeatable)")
+    p.add_argument("--out", metavar="DIR", help="write static files into DIR instead")
     return parser
 
 
@@ -190,11 +200,35 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if any(r.report.verdict == "does not fit" for r in rows) else 0
 
 
+def _page(args: argparse.Namespace) -> int:
+    from sous.recipes.web.server import make_server, write_static
+
+    recipes = [*list_recipes(), *(load_recipe(path) for path in args.recipes)]
+    if args.out is not None:
+        written = write_static(args.out, recipes)
+        index = next(p for p in written if p.name == "index.html")
+        print(f"wrote {len(written)} files; open {index.resolve().as_uri()}")
+        return 0
+    try:
+        server = make_server(recipes, args.host, args.port)
+    except OSError as e:
+        raise RecipeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    host, port = server.server_address[:2]
+    print(f"recipe page on http://{host}:{port}/ (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `sous recipe ...` (argv without the `recipe` word); returns the exit status."""
     parser = make_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    actions = {"list": _list, "show": _show, "plan": _plan_cmd, "check": _check}
+    actions = {"list": _list, "show": _show, "plan": _plan_cmd, "check": _check, "page": _page}
     if args.action is None:
         parser.print_help(sys.stderr)
         return 2

@@ -141,6 +141,7 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
     ctx = ServingContext(engine=engine, config=config,
                          metrics=ServerMetrics(engine.served_model_name, engine.max_model_len))
     app.state.serving = ctx
+    _connect_reasoning_to_structured_output(engine, config)
     _install_error_handlers(app)
     _add_routes(app, ctx)
     api_key = config.api_key or os.environ.get("VLLM_API_KEY")
@@ -151,6 +152,18 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
                        allow_headers=["*"], allow_credentials=False)
     return app
+
+
+def _connect_reasoning_to_structured_output(engine: Any, config: ServerConfig) -> None:
+    """With `--reasoning-parser`, structured output starts only once reasoning has ended."""
+    core = getattr(engine, "core", None)
+    if not config.reasoning_parser or core is None:
+        return
+    from sous.server import reasoning
+    from sous.server.reasoning.token_end import reasoning_end_detector
+
+    parser = reasoning.get(config.reasoning_parser)
+    core.structured_output_manager.set_reasoner(reasoning_end_detector(parser, core.tokenizer))
 
 
 def run_server(engine_config: Any, server_config: ServerConfig | None = None) -> None:

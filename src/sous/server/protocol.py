@@ -61,6 +61,9 @@ class _SamplingFields(_Base):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    """`response_format`, `structured_outputs` and `guided_*` become
+    `SamplingParams.structured_outputs` in `sous.server.structured_request`."""
     kv_transfer_params: dict[str, Any] | None = None
 
     def check_common(self) -> None:
@@ -74,14 +77,6 @@ class _SamplingFields(_Base):
             raise APIError("logit_bias is not supported yet.", 400, "logit_bias")
         if self.prompt_logprobs is not None:
             raise APIError("prompt_logprobs is not supported yet.", 400, "prompt_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("response_format other than {'type': 'text'} is not supported yet.",
-                           400, "response_format")
-        if self.structured_outputs:
-            raise APIError("structured_outputs is not supported yet.", 400, "structured_outputs")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                raise APIError(f"{name} is not supported yet.", 400, name)
         if self.kv_transfer_params:
             raise APIError("kv_transfer_params is not supported yet.", 400, "kv_transfer_params")
 
@@ -186,13 +181,48 @@ class ChatCompletionRequest(_SamplingFields):
         if self.chat_template is not None:
             raise APIError("Chat template is passed with request, but "
                            "--trust-request-chat-template is not set.", 400, "chat_template")
+        self.check_tools()
+
+    def check_tools(self) -> None:
+        """vLLM's `tools` / `tool_choice` validation (400s); see `effective_tool_choice`."""
+        for tool in self.tools or []:
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str):
+                raise bad_request("Each tool must be {\"type\": \"function\", \"function\": "
+                                  "{\"name\": ..., \"parameters\": {...}}}.", "tools")
         choice = self.tool_choice
-        if self.tools and choice != "none":
-            raise APIError("tools are not supported yet (only with tool_choice \"none\").",
-                           400, "tools")
-        if choice not in (None, "none", "auto"):
-            raise APIError("tool_choice other than \"none\" is not supported yet.",
-                           400, "tool_choice")
+        if choice is None or choice == "none":
+            return
+        if self.tools is None:
+            raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if choice not in ("auto", "required") and not isinstance(choice, dict):
+            raise bad_request(f"Invalid value for `tool_choice`: {choice}! Only named tools, "
+                              "\"none\", \"auto\" or \"required\" are supported.", "tool_choice")
+        if isinstance(choice, dict):
+            usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+            function = choice.get("function")
+            if not isinstance(function, dict):
+                raise bad_request(f"Invalid value for `function`: `{function}` in "
+                                  f"`tool_choice`! {usage}", "tool_choice")
+            name = function.get("name")
+            if not isinstance(name, str) or not name:
+                raise bad_request(f"Expected field `name` in `function` in `tool_choice`! "
+                                  f"{usage}", "tool_choice")
+            if all(t["function"]["name"] != name for t in self.tools):
+                raise bad_request("The tool specified in `tool_choice` does not match any of "
+                                  "the specified `tools`", "tool_choice")
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """`tool_choice`, defaulting (as vLLM) to "auto" with tools, "none" without;
+        "required" with an empty `tools` list behaves as "none"."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if choice == "required" and not self.tools:
+            return "none"
+        return choice
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -6,10 +6,18 @@ Response: `{"id": "chatcmpl-<hex>", "object": "chat.completion", "created", "mod
 first per choice with `delta = {"role": "assistant", "content": ""}`, then content deltas;
 the last per choice carries `finish_reason`; then a usage chunk with empty `choices` when
 `stream_options.include_usage`; then `data: [DONE]`.
+
+With `--reasoning-parser` and/or tool calls (`tool_choice` "auto" with
+`--enable-auto-tool-choice --tool-call-parser`, "required", or a named function) each choice's
+text goes through a `ChatOutputParser` (`sous.server.tool_parsers.chat_output`): messages get
+`reasoning` (and its alias `reasoning_content`), `content` (text before the first call, or
+null) and `tool_calls`; deltas carry the same as fragments; `finish_reason` becomes
+"tool_calls" when calls were made (see `ChatParsing.finish_reason`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +42,8 @@ from sous.server.serving_common import (
     respond,
     usage_dict,
 )
+from sous.server.structured_request import build_structured_outputs, tool_choice_schema
+from sous.server.tool_parsers.chat_output import ChatParsing
 
 _RESERVED_TEMPLATE_KWARGS = ("tokenize", "chat_template", "return_dict", "conversation")
 
@@ -61,7 +71,25 @@ def message_to_template(m: ChatMessage) -> dict[str, Any]:
         if value is not None:
             msg[key] = value
     msg.update(m.model_extra or {})
+    if m.role == "assistant" and m.tool_calls:
+        msg["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
     return msg
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A history tool call with its JSON `arguments` string parsed to a dict (what tool-use
+    chat templates expect, as vLLM does); empty arguments become {}."""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return call
+    args = function.get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise bad_request(f"Tool call arguments are not valid JSON: {args!r}",
+                              "messages") from None
+    return {**call, "function": {**function, "arguments": args or {}}}
 
 
 class ChatServing:
@@ -90,21 +118,43 @@ class ChatServing:
             raise bad_request("The rendered prompt is empty.", "messages")
         return prompt, ids
 
+    def output_parsing(self, req: ChatCompletionRequest) -> ChatParsing | None:
+        """What to parse out of the outputs (reasoning, tool calls); None: plain content.
+
+        400 for `tool_choice` "auto" (explicit, or the default with tools) unless the server
+        runs with --enable-auto-tool-choice and --tool-call-parser. May turn
+        `req.skip_special_tokens` off when the tool format's tags are special tokens."""
+        cfg = self.ctx.config
+        choice = req.effective_tool_choice
+        if choice == "auto" and req.tools and not (cfg.enable_auto_tool_choice
+                                                   and cfg.tool_call_parser):
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
+                              '--tool-call-parser to be set', "tool_choice")
+        parsing = ChatParsing.for_request(cfg.reasoning_parser, cfg.tool_call_parser, choice,
+                                          req.tools, req.chat_template_kwargs)
+        if parsing is not None and parsing.needs_special_tokens:
+            req.skip_special_tokens = False
+        return parsing
+
     async def handle(self, request: Request) -> Response:
         req = parse_request(ChatCompletionRequest, await request.body())
         self.ctx.check_model(req.model)
         req.check()
+        parsing = self.output_parsing(req)
+        structured = build_structured_outputs(
+            req, tool_choice_schema(req.effective_tool_choice, req.tools))
         prompt, ids = self.render(req)
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens,
                                         self.ctx.max_model_len)
         params = make_sampling_params(
             max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-            output_kind=RequestOutputKind.DELTA, **req.sampling_kwargs())
+            output_kind=RequestOutputKind.DELTA, structured_outputs=structured,
+            **req.sampling_kwargs())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.ctx.log_request(request_id, prompt, ids, params)
         stream = EngineStream(self.ctx, [EngineJob(request_id, ids, params, prompt)])
         role = self.ctx.config.response_role if req.add_generation_prompt else req.messages[-1].role
-        run = _ChatRun(self.ctx, req, request_id, len(ids), role)
+        run = _ChatRun(self.ctx, req, request_id, len(ids), role, parsing)
         return await respond(request, stream, run, bool(req.stream))
 
 
@@ -112,8 +162,10 @@ class _ChatRun:
     """Turns one chat request's engine outputs into the response (full or streamed)."""
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 prompt_len: int, role: str) -> None:
+                 prompt_len: int, role: str, parsing: ChatParsing | None = None) -> None:
         self.ctx = ctx
+        self.parsing = parsing
+        self.parsers = None if parsing is None else [parsing.new() for _ in range(req.n)]
         self.req = req
         self.request_id = request_id
         self.prompt_len = prompt_len
@@ -153,15 +205,36 @@ class _ChatRun:
                     self.logprobs[c.index].extend(lps)
         choices = []
         for i in range(self.req.n):
-            message = {"role": self.role, "content": "".join(self.texts[i]), "refusal": None,
-                       "annotations": None, "audio": None, "function_call": None,
-                       "tool_calls": [], "reasoning_content": None}
+            message, finish_reason = self._message("".join(self.texts[i]), self.finish[i][0])
             logprobs = None if self.top_n is None else {"content": self.logprobs[i]}
             choices.append({"index": i, "message": message, "logprobs": logprobs,
-                            "finish_reason": self.finish[i][0], "stop_reason": self.finish[i][1]})
+                            "finish_reason": finish_reason, "stop_reason": self.finish[i][1]})
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices, "usage": self._usage(stream),
                 "prompt_logprobs": None}
+
+    def _message(self, text: str, engine_reason: str | None) -> tuple[dict, str | None]:
+        """A non-streamed choice's message and finish_reason."""
+        message: dict[str, Any] = {
+            "role": self.role, "content": text, "refusal": None, "annotations": None,
+            "audio": None, "function_call": None, "tool_calls": [], "reasoning": None,
+            "reasoning_content": None}
+        if self.parsing is None:
+            return message, engine_reason
+        parsed, called = self.parsing.parse(text)
+        message["content"] = parsed.content
+        message["reasoning"] = message["reasoning_content"] = parsed.reasoning
+        message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        return message, self.parsing.finish_reason(engine_reason, called)
+
+    def _delta(self, c: CompletionOutput) -> tuple[dict, str | None]:
+        """A streamed output's `delta` and finish_reason ({} delta: nothing to send yet)."""
+        if self.parsers is None or self.parsing is None:
+            return {"content": c.text}, c.finish_reason
+        parser = self.parsers[c.index]
+        msg = parser.feed(c.text, final=c.finish_reason is not None)
+        delta = msg.to_openai() if msg else {}
+        return delta, self.parsing.finish_reason(c.finish_reason, parser.called)
 
     def _event(self, choice: dict, completion_tokens: int, cached: int) -> str:
         if not self.req.continuous_usage:
@@ -175,10 +248,13 @@ class _ChatRun:
             if not c.text and not c.token_ids and c.finish_reason is None:
                 continue
             lps = self._update(c)
+            delta, finish_reason = self._delta(c)
+            if not delta and lps is None and finish_reason is None:
+                continue
             choice: dict[str, Any] = {
-                "index": c.index, "delta": {"content": c.text},
+                "index": c.index, "delta": delta or {"content": ""},
                 "logprobs": None if lps is None else {"content": lps},
-                "finish_reason": c.finish_reason}
+                "finish_reason": finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             parts.append(self._event(choice, self.num_tokens[c.index], out.num_cached_tokens))

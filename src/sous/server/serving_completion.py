@@ -34,6 +34,7 @@ from sous.server.serving_common import (
     respond,
     usage_dict,
 )
+from sous.server.structured_request import build_structured_outputs
 
 
 @dataclass
@@ -59,6 +60,7 @@ class CompletionServing:
         req = parse_request(CompletionRequest, await request.body())
         self.ctx.check_model(req.model)
         req.check()
+        structured = build_structured_outputs(req)
         prompts = self._prompts(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = []
@@ -66,7 +68,8 @@ class CompletionServing:
             max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.ctx.max_model_len)
             params = make_sampling_params(
                 max_tokens=max_tokens, logprobs=req.logprobs,
-                output_kind=RequestOutputKind.DELTA, **req.sampling_kwargs())
+                output_kind=RequestOutputKind.DELTA, structured_outputs=structured,
+                **req.sampling_kwargs())
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             self.ctx.log_request(sub_id, text, ids, params)
             jobs.append(EngineJob(sub_id, ids, params, text))

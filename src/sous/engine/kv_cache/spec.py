@@ -33,6 +33,12 @@ class KVCacheSpec:
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_size)
         return [_zeroed(shape, self.dtype, device) for _ in range(self.num_layers)]
 
+    @staticmethod
+    def copy_slots(caches: list[torch.Tensor], src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` slots of block `src` into block `dst`, in every layer."""
+        for cache in caches:
+            cache[:, dst, :num_tokens] = cache[:, src, :num_tokens]
+
 
 _LAZY_ZERO_BYTES = 64 << 20
 """Above glibc's largest mmap threshold (32 MiB) a fresh CPU allocation is always a new
