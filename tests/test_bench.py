@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from serve_process import sous_serve
 from sous.bench.client import RequestResult, Target, normalize_base_url, stream_request
 from sous.bench.prompts import make_prompts
 from sous.bench.serve import main as bench_main
@@ -103,12 +100,6 @@ def test_prompts_and_urls() -> None:
 # ------------------------------------------------------------ against a real `sous serve`
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _model_args(tmp_path: Path) -> list[str]:
     """A tiny random Llama when the fixture module exists, else the bundled model."""
     try:
@@ -121,31 +112,9 @@ def _model_args(tmp_path: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def sous_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("bench-server")
-    port = _free_port()
-    log = tmp / "server.log"
-    cmd = [sys.executable, "-m", "sous.cli", "serve", *_model_args(tmp), "--port", str(port),
-           "--max-model-len", "512", "--kv-cache-memory-bytes", "64MiB"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"sous serve exited {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"sous serve not ready:\n{log.read_text()}"
-            try:
-                if httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    args = [*_model_args(tmp), "--max-model-len", "512", "--kv-cache-memory-bytes", "64MiB"]
+    with sous_serve(args, tmp / "server.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.mark.parametrize("base", ["{url}", "{url}/v1"])

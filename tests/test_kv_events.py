@@ -4,24 +4,18 @@ replay socket resends buffered batches."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgpack
 import pytest
 import zmq
 
+from serve_process import free_port
 from sous import LLM, SamplingParams
 from sous.engine.kv_cache.hashing import hash_block_tokens, sha256_cbor
 from sous.kv_transfer.events import hash_to_int
 
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chain(token_ids: list[int]) -> list[int]:

@@ -231,3 +231,24 @@ def test_attention_metadata_build():
     assert [(p.index, p.context_len) for p in meta.prefills] == [(0, 0), (2, 5)]
     with pytest.raises(ValueError, match="too short"):
         AttentionMetadata.build([1], [9], [[0, 1]], 4, CPU)
+
+
+def test_greedy_generation_matches_transformers_generate(tiny):
+    """32 greedy tokens through `LLM` with 16-token step budgets (chunked prefill), block 16."""
+    from transformers import LlamaForCausalLM
+
+    from sous import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (37, 9, 21)]
+    hf = LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32,
+                                do_sample=False)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(str(tiny), dtype="float32", max_model_len=256, block_size=16,
+              max_num_batched_tokens=16, kv_cache_memory_bytes=4 << 20)
+    # min_new_tokens bans EOS in transformers; min_tokens does the same here.
+    params = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert len({tuple(e) for e in expected}) == 3
