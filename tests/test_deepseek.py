@@ -15,10 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from paged_runner import PagedRunner, check_mixed_batches
+from paged_runner import load_ours as _ours
 from sous.engine.sampling_params import SamplingParams
 from sous.models.layers.mla import MLAKVCacheSpec, mla_softmax_scale
-from test_llama import PagedRunner, _ours
-from tiny_models import DEEPSEEK_ARCHS, make_tiny_deepseek, tiny_deepseek_config
+from tiny_models import (
+    DEEPSEEK_ARCHS,
+    axk2_full_scale_config,
+    make_tiny_deepseek,
+    tiny_deepseek_config,
+)
 
 ATOL = 1e-4
 SHORT = {"DeepseekV3ForCausalLM": "v3", "DeepseekV32ForCausalLM": "v32", "AXK2ForCausalLM": "axk2"}
@@ -83,20 +89,7 @@ def test_mixed_batch_prefill_chunks_and_decodes(ckpt):
     _, _, ref, ours = ckpt
     seqs = {s: _ids(n, 10 + s) for s, n in {0: 30, 1: 24, 2: 20, 3: 27}.items()}
     refs = {s: _hf_logits(ref, ids) for s, ids in seqs.items()}
-    runner = PagedRunner(ours, block_size=4)
-    plans = [  # decode tokens not contiguous in the batch; decodes of different lengths
-        {0: 12, 1: 20, 2: 16},
-        {1: 1, 3: 7, 2: 1},
-        {3: 10, 1: 1, 0: 6, 2: 1},
-        {2: 1, 3: 9, 0: 1, 1: 1},
-        {0: 1, 1: 1, 2: 1, 3: 1},
-    ]
-    done = dict.fromkeys(seqs, 0)
-    for plan in plans:
-        out = runner.step({s: seqs[s][done[s] : done[s] + n] for s, n in plan.items()})
-        for s, n in plan.items():
-            torch.testing.assert_close(out[s], refs[s][done[s] : done[s] + n], atol=ATOL, rtol=0)
-            done[s] += n
+    check_mixed_batches(PagedRunner(ours, block_size=4), seqs, refs, ATOL)
 
 
 def test_indexer_sparsity_changes_the_result(ckpt):
@@ -288,13 +281,7 @@ def test_kv_cache_spec_sizes():
     `--block-size 2048` (plus one block), 13.3 GiB at 163,840."""
     from sous.models.deepseek import AXK2ForCausalLM
 
-    cfg = tiny_deepseek_config(
-        "AXK2ForCausalLM", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
-        num_key_value_heads=64, n_routed_experts=256, num_experts_per_tok=8, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        index_topk=2048, index_n_heads=64, index_head_dim=128, gated_norm_rank=16,
-        max_position_embeddings=262144)
+    cfg = axk2_full_scale_config()
     with torch.device("meta"):
         axk2 = AXK2ForCausalLM(cfg, torch.bfloat16).kv_cache_spec()
     assert axk2.bytes_per_token == (576 + 128) * 2 * 61 == 85_888

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_runner import PagedRunner
+from paged_runner import load_ours as _ours
 from sous import LLM, SamplingParams
 from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
-from test_llama import PagedRunner, _ours
 from tiny_models import make_tiny_llama, make_tiny_minimax_m2
 
 REL_BOUND = 1e-1

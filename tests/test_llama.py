@@ -6,15 +6,14 @@ SmolLM2 GGUF (30 layers, logits up to ~40), atol 2e-3 (observed ~1e-4) and ident
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
+from paged_runner import PagedRunner, check_mixed_batches
+from paged_runner import load_ours as _ours
 from sous.config.load import LoadConfig
 from sous.config.model import ModelConfig
 from sous.engine.attention import AttentionMetadata
-from sous.engine.kv_cache.fp8 import with_cache_dtype
 from sous.models.layers.linear import int4_kernel_available
 from sous.models.loader import load_model
 from tiny_models import make_tiny_llama
@@ -23,59 +22,12 @@ CPU = torch.device("cpu")
 ATOL = 1e-4
 
 
-class PagedRunner:
-    """Drives a model step by step like the engine: per-sequence block tables (shuffled block
-    ids, so tables are not contiguous), chunked prefill, decode, mixed batches."""
-
-    def __init__(
-        self, model: torch.nn.Module, block_size: int, num_blocks: int = 256, seed: int = 0,
-        kv_cache_dtype: str = "auto",
-    ):
-        self.model = model
-        self.block_size = block_size
-        spec = with_cache_dtype(model.kv_cache_spec(), kv_cache_dtype)
-        self.caches = spec.allocate(num_blocks, block_size, CPU)
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.tables: dict[int, list[int]] = {}
-        self.lens: dict[int, int] = {}
-
-    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Compute `chunks[seq]` (new token ids per sequence); returns per-sequence logits of
-        every new token `[len(chunk), vocab]`."""
-        seqs = list(chunks)
-        qlens, slens, tables, ids = [], [], [], []
-        for s in seqs:
-            table = self.tables.setdefault(s, [])
-            new_len = self.lens.get(s, 0) + len(chunks[s])
-            while len(table) * self.block_size < new_len:
-                table.append(self.free.pop())
-            qlens.append(len(chunks[s]))
-            slens.append(new_len)
-            tables.append(list(table))
-            ids.extend(chunks[s])
-            self.lens[s] = new_len
-        meta = AttentionMetadata.build(qlens, slens, tables, self.block_size, CPU)
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), meta.positions, self.caches, meta)
-            logits = self.model.compute_logits(hidden)
-        out, start = {}, 0
-        for s, q in zip(seqs, qlens, strict=True):
-            out[s] = logits[start : start + q]
-            start += q
-        return out
-
-
 def _hf_logits(path, ids: list[int]) -> torch.Tensor:
     from transformers import LlamaForCausalLM
 
     ref = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return ref(torch.tensor([ids])).logits[0]
-
-
-def _ours(path):
-    return load_model(ModelConfig(model=str(path), dtype="float32"), LoadConfig(), CPU).model
 
 
 @pytest.fixture(scope="module")
@@ -133,23 +85,7 @@ def test_mixed_batch_prefill_chunk_and_decodes(tiny):
     lengths = {0: 30, 1: 24, 2: 20, 3: 27}
     seqs = {s: torch.randint(0, 1000, (n,), generator=gen).tolist() for s, n in lengths.items()}
     refs = {s: _hf_logits(tiny, ids) for s, ids in seqs.items()}
-    runner = PagedRunner(_ours(tiny), block_size=4)
-    # Each plan: tokens per sequence this step. First a batch of three prefills; then prefill
-    # chunks of 3 (fresh, then with cached context) and 0 (with context) alongside decodes of
-    # 1 and 2, ordered so that the decode tokens are not contiguous in the batch.
-    plans = [
-        {0: 12, 1: 20, 2: 16},
-        {1: 1, 3: 7, 2: 1},
-        {3: 10, 1: 1, 0: 6, 2: 1},
-        {2: 1, 3: 9, 0: 1, 1: 1},
-        {0: 1, 1: 1, 2: 1, 3: 1},
-    ]
-    done = dict.fromkeys(seqs, 0)
-    for plan in plans:
-        out = runner.step({s: seqs[s][done[s] : done[s] + n] for s, n in plan.items()})
-        for s, n in plan.items():
-            torch.testing.assert_close(out[s], refs[s][done[s] : done[s] + n], atol=ATOL, rtol=0)
-            done[s] += n
+    done = check_mixed_batches(PagedRunner(_ours(tiny), block_size=4), seqs, refs, ATOL)
     assert done == {0: 20, 1: 24, 2: 20, 3: 27}
 
 

@@ -7,11 +7,6 @@ Tolerance: logits within atol 1e-4 (observed ~1e-6); greedy generation token-ide
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -122,21 +117,10 @@ def test_greedy_generation_matches_transformers_generate(tiny: Path) -> None:
             expected.append(out[0, len(p):].tolist())
     llm = LLM(str(tiny), dtype="float32", max_model_len=256, block_size=16,
               max_num_batched_tokens=16, kv_cache_memory_bytes=4 << 20)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert len(set(map(tuple, expected))) == 3
-
-
-def test_mtp_weights_loaded_into_mtp_submodule(tmp_path: Path, tiny: Path) -> None:
-    path = make_tiny_minimax_m2(tmp_path, mtp_modules=2)
-    model = _ours(path)
-    assert model.mtp.num_modules == 2 and model.mtp.num_loaded == 2 * len(MINIMAX_MTP_NAMES)
-    assert set(model.mtp.tensors[1]) == set(MINIMAX_MTP_NAMES)
-    assert model.mtp.tensors[0]["eh_proj.weight"].shape == (64, 128)
-    ids = _ids(20, 3)  # the MTP modules do not change the main model's logits
-    ours = PagedRunner(model, block_size=16).step({0: ids})[0]
-    torch.testing.assert_close(ours, _hf_logits(tiny, ids), atol=ATOL, rtol=0)
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -195,57 +179,164 @@ def test_kv_cache_spec_bytes(tiny: Path) -> None:
     assert big.kv_cache_spec().bytes_per_token == 62 * 8 * 128 * 2 * 2 == 253_952
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ------------------------------------------------------------------------------- MTP modules
+N_LAYERS = 3  # of the tiny config; MTP module k is `model.layers.{3 + k}`
 
 
 @pytest.fixture(scope="module")
-def served(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import httpx
-
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "sous.cli", "serve", str(tiny), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, f"sous serve exited {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"sous serve not ready:\n{log.read_text()}"
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def tiny_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_minimax_m2(tmp_path_factory.mktemp("mm_mtp"), mtp_modules=2)
 
 
-def test_sous_serve_answers_completion(served: str, tiny: Path) -> None:
-    import openai
+def _meta(qlen: int, slen: int, block_size: int = 4):
+    from sous.engine.attention import AttentionMetadata
 
-    from tiny_models import make_tokenizer
+    return AttentionMetadata.build([qlen], [slen], [list(range(32))[::-1]], block_size, CPU)
 
-    client = openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0)
-    prompt = "hello world how are you"
-    ids = make_tokenizer(1000)(prompt)["input_ids"]
-    out = client.completions.create(model=str(tiny), prompt=prompt, max_tokens=8,
-                                    temperature=0.0, extra_body={"ignore_eos": True})
+
+def _main_hidden(model: MiniMaxM2ForCausalLM, ids: list[int]) -> torch.Tensor:
+    """The main model's `forward` output [T, H] for one prefill of `ids`."""
+    caches = model.kv_cache_spec().allocate(32, 4, CPU)
+    meta = _meta(len(ids), len(ids))
+    with torch.inference_mode():
+        return model(torch.tensor(ids), meta.positions, caches, meta)
+
+
+def _mtp_reference(path: Path, k: int, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+    """Logits of MTP module k, positions 0..T-1, from the checkpoint tensors: the MTP head in
+    plain torch (`eh_proj([enorm(embed) | hnorm(h)])`, embedding zeroed at position 0), then the
+    module's block + `shared_head.norm` + `lm_head` as a 1-layer transformers MiniMaxM2 model."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers import MiniMaxM2ForCausalLM as HFMiniMaxM2
+
+    w = _weights(path)
+    pre = f"model.layers.{N_LAYERS + k}."
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    e = w["model.embed_tokens.weight"][torch.tensor(next_ids)]
+    e[0] = 0.0
+    x = torch.cat((rms(e, w[pre + "enorm.weight"]), rms(hidden, w[pre + "hnorm.weight"])), -1)
+    x = x @ w[pre + "eh_proj.weight"].T
+    block = {f"model.layers.0.{n.removeprefix(pre)}": t for n, t in w.items()
+             if n.startswith(pre) and n.removeprefix(pre) not in MINIMAX_MTP_NAMES}
+    block["model.norm.weight"] = w[pre + "shared_head.norm.weight"]
+    block["model.embed_tokens.weight"] = w["model.embed_tokens.weight"]
+    block["lm_head.weight"] = w["lm_head.weight"]
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.num_hidden_layers = 1
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        save_file(block, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+        hf = HFMiniMaxM2.from_pretrained(tmp, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = _hf(tiny).generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8,
-                                 do_sample=False)[0, len(ids):].tolist()
-    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 8
-    assert out.choices[0].finish_reason == "length"
-    tok = make_tokenizer(1000)  # text is the continuation decoded in the prompt's context
-    assert out.choices[0].text == tok.decode(ids + ref)[len(tok.decode(ids)) :]
+        return hf(inputs_embeds=x[None]).logits[0]
+
+
+def test_mtp_modules_loaded_as_layers(tiny_mtp: Path, tiny: Path) -> None:
+    from sous.models.minimax_m2_mtp import MiniMaxM2MTPLayer
+
+    model, w = _ours(tiny_mtp), _weights(tiny_mtp)
+    assert model.mtp.num_modules == 2 and model.mtp.num_loaded == 2
+    for k in range(2):
+        layer, pre = model.mtp[k], f"model.layers.{N_LAYERS + k}."
+        assert isinstance(layer, MiniMaxM2MTPLayer)
+        assert torch.equal(layer.hnorm.weight, w[pre + "hnorm.weight"])
+        assert torch.equal(layer.shared_head_norm.weight, w[pre + "shared_head.norm.weight"])
+        assert torch.equal(layer.eh_proj.weight_t.T, w[pre + "eh_proj.weight"])
+        q = w[pre + "self_attn.q_proj.weight"]
+        assert torch.equal(layer.block.self_attn.qkv_proj.weight_t.T[: q.shape[0]], q)
+        assert layer.shared_head is None and layer.embed_tokens is None
+    assert not torch.equal(model.mtp[0].eh_proj.weight_t, model.mtp[1].eh_proj.weight_t)
+    ids = _ids(20, 3)  # the MTP modules do not change the main model's logits
+    ours = PagedRunner(model, block_size=16).step({0: ids})[0]
+    torch.testing.assert_close(ours, _hf_logits(tiny, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_forward_mtp_matches_reference_across_chunks(tiny_mtp: Path, k: int) -> None:
+    """Module k fed the main model's hidden states and the next tokens (step 0 of a drafter),
+    in chunks through its own paged one-layer KV cache (block 4): logits equal the reference."""
+    from dataclasses import replace
+
+    model = _ours(tiny_mtp)
+    ids = _ids(24, 5 + k)
+    hidden = _main_hidden(model, ids)
+    nxt = int(model.compute_logits(hidden[-1:]).argmax())
+    next_ids = [*ids[1:], nxt]
+    ref = _mtp_reference(tiny_mtp, k, next_ids, hidden)
+    cache = replace(model.kv_cache_spec(), num_layers=1).allocate(32, 4, CPU)[0]
+    pos = 0
+    for size in [7, 6, 1, 1, 9]:
+        meta = _meta(size, pos + size)
+        with torch.inference_mode():
+            out = model.forward_mtp(k, torch.tensor(next_ids[pos : pos + size]), meta.positions,
+                                    hidden[pos : pos + size], cache, meta)
+            got = model.compute_mtp_logits(k, out)
+        assert out.shape == (size, 64) and got.dtype == torch.float32
+        torch.testing.assert_close(got, ref[pos : pos + size], atol=ATOL, rtol=0)
+        pos += size
+    assert pos == len(ids)
+
+
+def test_mtp_own_head_and_embedding_used_when_present(tiny_mtp: Path) -> None:
+    """Optional per-module `shared_head.head` / `embed_tokens` replace the shared ones."""
+    w = _weights(tiny_mtp)
+    gen = torch.Generator().manual_seed(7)
+    head, embed = torch.randn(1000, 64, generator=gen), torch.randn(1000, 64, generator=gen)
+    model = _fresh(tiny_mtp)
+    model.load_weights([*w.items(), ("model.layers.3.shared_head.head.weight", head),
+                        ("model.layers.3.embed_tokens.weight", embed)])
+    shared = _ours(tiny_mtp)
+    ids, hidden = [5, 9, 17, 4], torch.randn(4, 64, generator=gen)
+    meta = _meta(4, 4)
+    outs = []
+    for m in (model, shared):
+        cache = m.kv_cache_spec().allocate(32, 4, CPU)[0]
+        with torch.inference_mode():
+            outs.append(m.forward_mtp(0, torch.tensor(ids), meta.positions, hidden, cache, meta))
+    assert not torch.allclose(outs[0], outs[1])  # own embedding differs from the main one
+    normed = model.mtp[0].shared_head_norm.forward(outs[0])
+    torch.testing.assert_close(model.compute_mtp_logits(0, outs[0]), normed @ head.T)
+    normed = shared.mtp[0].shared_head_norm.forward(outs[1])
+    torch.testing.assert_close(shared.compute_mtp_logits(0, outs[1]), normed @ w["lm_head.weight"].T)
+
+
+def test_mtp_weights_checked(tiny_mtp: Path, tiny: Path) -> None:
+    weights = _weights(tiny_mtp)
+    base = {k: v for k, v in weights.items() if not k.startswith(("model.layers.3.",
+                                                                  "model.layers.4."))}
+
+    def load(ws: dict[str, torch.Tensor]) -> MiniMaxM2ForCausalLM:
+        model = _fresh(tiny_mtp)
+        model.load_weights(ws.items())
+        return model
+
+    none = load(base)  # the public checkpoints: config says MTP, no MTP weights
+    assert none.mtp.num_modules == 2 and none.mtp.num_loaded == 0
+    with pytest.raises(IndexError, match="MTP module 0 is not loaded"):
+        none.forward_mtp(0, torch.tensor([1]), torch.tensor([0]), torch.zeros(1, 64),
+                         torch.zeros(0), _meta(1, 1))
+    only0 = load({**base, **{k: v for k, v in weights.items() if k.startswith("model.layers.3.")}})
+    assert only0.mtp.num_loaded == 1
+    with pytest.raises(ValueError, match=r"missing weights: model.layers.3.hnorm.weight"):
+        load({k: v for k, v in weights.items() if k != "model.layers.3.hnorm.weight"})
+    with pytest.raises(ValueError, match=r"missing weights: model.layers.4.self_attn.o_proj"):
+        load({k: v for k, v in weights.items() if k != "model.layers.4.self_attn.o_proj.weight"})
+    with pytest.raises(ValueError, match=r"model.layers.4.block_sparse_moe: .*down_proj of exp"):
+        load({k: v for k, v in weights.items()
+              if k != "model.layers.4.block_sparse_moe.experts.2.w2.weight"})
+    with pytest.raises(ValueError, match=r"missing weights: model.layers.3.eh_proj.weight"):
+        load({**base, "model.layers.4.enorm.weight": torch.ones(64)})  # module 0 absent
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.3.bogus.weight'"):
+        load({**weights, "model.layers.3.bogus.weight": torch.ones(1)})
+    with pytest.raises(ValueError, match="layer 5 is beyond num_hidden_layers"):
+        load({**weights, "model.layers.5.enorm.weight": torch.ones(64)})
+    with pytest.raises(ValueError, match="unexpected weight 'model.mtp_layers.0.e_norm.weight'"):
+        load({**weights, "model.mtp_layers.0.e_norm.weight": torch.ones(64)})
+    with pytest.raises(ValueError, match=r"MTP eh_proj: shape \(64, 64\)"):
+        load({**weights, "model.layers.3.eh_proj.weight": torch.ones(64, 64)})

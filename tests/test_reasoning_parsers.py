@@ -11,18 +11,7 @@ import pytest
 from sous.server import reasoning
 from sous.server.tool_parsers.base import ToolDelta, assemble
 from sous.server.tool_parsers.chat_output import ChatParsing
-
-
-def token_pieces(tok: Any, text: str, group: int) -> list[str]:
-    """`text` cut where its tokens end, `group` tokens per piece (decoded incrementally)."""
-    ids = tok.encode(text, add_special_tokens=False)
-    pieces, prev = [], ""
-    for end in list(range(group, len(ids), group)) + [len(ids)]:
-        now = tok.decode(ids[:end])
-        pieces.append(now[len(prev):])
-        prev = now
-    assert "".join(pieces) == text
-    return pieces
+from text_pieces import token_pieces
 
 
 def split_all_ways(tok: Any, name: str, text: str, kwargs: dict | None = None,

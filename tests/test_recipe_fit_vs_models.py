@@ -15,7 +15,7 @@ import torch
 from sous.engine.kv_cache.fp8 import with_cache_dtype
 from sous.recipes.archs import ARCHS
 from sous.recipes.fit import kv_bytes_per_token
-from tiny_models import tiny_deepseek_config
+from tiny_models import axk2_full_scale_config
 
 
 def minimax_m2_7_spec():
@@ -32,13 +32,7 @@ def minimax_m2_7_spec():
 def axk2_spec():
     from sous.models.deepseek import AXK2ForCausalLM
 
-    cfg = tiny_deepseek_config(
-        "AXK2ForCausalLM", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
-        num_key_value_heads=64, n_routed_experts=256, num_experts_per_tok=8, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        index_topk=2048, index_n_heads=64, index_head_dim=128, gated_norm_rank=16,
-        max_position_embeddings=262144)
+    cfg = axk2_full_scale_config()
     with torch.device("meta"):
         return AXK2ForCausalLM(cfg, torch.bfloat16).kv_cache_spec()
 

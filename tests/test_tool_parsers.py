@@ -18,21 +18,10 @@ from sous.server.tool_parsers.base import ToolCall, ToolCallDelta, ToolDelta, as
 from sous.server.tool_parsers.forced import NamedToolStream, RequiredToolStream
 from sous.server.tool_parsers.minimax_m2 import coerce, schema_types
 from sous.server.tool_parsers.partial_json import parse_partial
+from text_pieces import token_pieces
 
 HERMES_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{32}$")
 MINIMAX_ID = re.compile(r"^call_[0-9a-f]{24}$")
-
-
-def token_pieces(tok: Any, text: str, group: int) -> list[str]:
-    """`text` cut where its tokens end, `group` tokens per piece (decoded incrementally)."""
-    ids = tok.encode(text, add_special_tokens=False)
-    pieces, prev = [], ""
-    for end in list(range(group, len(ids), group)) + [len(ids)]:
-        now = tok.decode(ids[:end])
-        pieces.append(now[len(prev):])
-        prev = now
-    assert "".join(pieces) == text
-    return pieces
 
 
 def streamed(parser: Any, pieces: list[str], tools: Any) -> tuple[list[ToolDelta], Any]:

@@ -150,17 +150,62 @@ def tiny_minimax_m2_config(**overrides: Any) -> Any:
     return MiniMaxM2Config(**kw)
 
 
-MINIMAX_MTP_NAMES = {
-    "enorm.weight": (64,),
-    "hnorm.weight": (64,),
-    "eh_proj.weight": (64, 128),
-    "input_layernorm.weight": (64,),
-    "self_attn.q_proj.weight": (64, 64),
-    "block_sparse_moe.gate.weight": (8, 64),
-    "shared_head.norm.weight": (64,),
-}
-"""Tensors (and shapes, for the default tiny config) written per MTP module by
-`make_tiny_minimax_m2(mtp_modules=n)` under `model.layers.{num_hidden_layers + i}.`."""
+MINIMAX_MTP_NAMES = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+"""The MTP-only tensors of each module `k` written by `make_tiny_minimax_m2(mtp_modules=n)` under
+`model.layers.{num_hidden_layers + k}.` (vLLM's assumed layout, see `sous.models.minimax_m2_mtp`):
+norms `[H]`, `eh_proj` `[H, 2H]`; the module's decoder block is written there too, under the
+names of a main layer (`self_attn.q_proj.weight`, `block_sparse_moe.experts.{e}.w1.weight`, ...)."""
+
+
+def _randomize_minimax(model: Any) -> None:
+    """Norms near 1, wide router weights, small other weights, random correction bias."""
+    import torch
+
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.8, 1.2)
+            elif pname.endswith("gate.weight"):
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.08)
+        for layer in model.model.layers:
+            layer.mlp.e_score_correction_bias.normal_(0.0, 0.1)
+
+
+def minimax_mtp_tensors(cfg: Any, num_modules: int, seed: int = 0) -> dict[str, Any]:
+    """Random MTP modules 0..num_modules-1 for a MiniMax-M2 `cfg`, checkpoint-named: each block
+    is the layer of a fresh 1-layer `MiniMaxM2ForCausalLM` saved by `save_pretrained`, renamed
+    from `model.layers.0.` to `model.layers.{num_hidden_layers + k}.`, plus `MINIMAX_MTP_NAMES`."""
+    import copy
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import MiniMaxM2ForCausalLM
+
+    out: dict[str, Any] = {}
+    h = cfg.hidden_size
+    gen = torch.Generator().manual_seed(seed + 1)
+    block_cfg = copy.deepcopy(cfg)
+    block_cfg.num_hidden_layers = 1
+    for k in range(num_modules):
+        torch.manual_seed(seed + 100 + k)
+        block = MiniMaxM2ForCausalLM(block_cfg)
+        _randomize_minimax(block)
+        with tempfile.TemporaryDirectory() as tmp:
+            block.save_pretrained(tmp)
+            saved = load_file(Path(tmp) / "model.safetensors")
+        prefix = f"model.layers.{cfg.num_hidden_layers + k}."
+        for name, t in saved.items():
+            if name.startswith("model.layers.0."):
+                out[prefix + name.removeprefix("model.layers.0.")] = t
+        for sub in MINIMAX_MTP_NAMES:
+            if sub == "eh_proj.weight":
+                out[prefix + sub] = torch.randn((h, 2 * h), generator=gen) * 0.08
+            else:
+                out[prefix + sub] = torch.rand((h,), generator=gen) * 0.4 + 0.8
+    return out
 
 
 def make_tiny_minimax_m2(
@@ -176,8 +221,8 @@ def make_tiny_minimax_m2(
 
     Router weights have a larger spread and the correction bias is random (not zero), so the
     top-2 choice is well separated and the bias really changes which experts are picked.
-    `mtp_modules=n` also writes n fake MTP modules (`MINIMAX_MTP_NAMES`, random) and sets
-    `num_mtp_modules`/`use_mtp` in config.json, as the Hub checkpoints have."""
+    `mtp_modules=n` also writes n random MTP modules (`minimax_mtp_tensors`) and sets
+    `num_mtp_modules`/`use_mtp`/`mtp_transformer_layers` in config.json as the Hub configs do."""
     import json
 
     import torch
@@ -189,26 +234,13 @@ def make_tiny_minimax_m2(
     cfg = tiny_minimax_m2_config(**overrides)
     torch.manual_seed(seed)
     model = MiniMaxM2ForCausalLM(cfg)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.uniform_(0.8, 1.2)
-            elif pname.endswith("gate.weight"):
-                p.normal_(0.0, 0.3)
-            else:
-                p.normal_(0.0, 0.08)
-        for layer in model.model.layers:
-            layer.mlp.e_score_correction_bias.normal_(0.0, 0.1)
+    _randomize_minimax(model)
     model.save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=[3, 1], pad_token_id=1).save_pretrained(out)
     make_tokenizer(cfg.vocab_size).save_pretrained(out)
     if mtp_modules:
         tensors = load_file(out / "model.safetensors")
-        gen = torch.Generator().manual_seed(seed + 1)
-        for i in range(mtp_modules):
-            for sub, shape in MINIMAX_MTP_NAMES.items():
-                key = f"model.layers.{cfg.num_hidden_layers + i}.{sub}"
-                tensors[key] = torch.randn(shape, generator=gen)
+        tensors.update(minimax_mtp_tensors(cfg, mtp_modules, seed))
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
         raw = json.loads((out / "config.json").read_text())
         raw.update(num_mtp_modules=mtp_modules, use_mtp=True, mtp_transformer_layers=1)
@@ -334,3 +366,15 @@ def make_tiny_deepseek(
         save_file(deepseek_mtp_tensors(out, cfg.num_hidden_layers, seed), out / "mtp.safetensors",
                   metadata={"format": "pt"})
     return out
+
+
+def axk2_full_scale_config() -> Any:
+    """A.X-K2 688B's real shape (61 layers, hidden 7168, MLA 512 + 64, indexer 64 x 128, 256
+    experts), for building its model on the meta device (sizes only, no memory)."""
+    return tiny_deepseek_config(
+        "AXK2ForCausalLM", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+        num_key_value_heads=64, n_routed_experts=256, num_experts_per_tok=8, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        index_topk=2048, index_n_heads=64, index_head_dim=128, gated_norm_rank=16,
+        max_position_embeddings=262144)

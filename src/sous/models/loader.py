@@ -59,9 +59,10 @@ class LoadedModel:
     eos_token_ids: list[int]
     model_path: str
     quantization: str | None = None
-    """"gguf-int4" when GGUF matrices run quantised on the int4 kernel; "fp8",
-    "modelopt-nvfp4" or "compressed-tensors-nvfp4" for a quantised safetensors checkpoint
-    (dequantised on load); else None."""
+    """"gguf-int4" when GGUF matrices run quantised on the int4 kernel; for a quantised
+    safetensors checkpoint (dequantised on load): "fp8" (block or per-tensor),
+    "modelopt-fp8", "modelopt-nvfp4", "modelopt-mixed" (per-layer NVFP4 / FP8) or
+    "compressed-tensors-nvfp4"; else None."""
     kv_scales: dict[str, float] = field(default_factory=dict)
     """Checkpoint KV-cache scales ("model.layers.0.self_attn.k_scale" -> float), if any."""
 

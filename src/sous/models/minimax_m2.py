@@ -11,8 +11,9 @@ keeps both in float32; identical for float32 models).
 Checkpoint names (Hub and transformers' `save_pretrained`): `block_sparse_moe.gate`,
 `block_sparse_moe.e_score_correction_bias`, `block_sparse_moe.experts.{e}.w1|w2|w3` (gate, down,
 up); transformers' in-memory names (`mlp.gate`, `mlp.experts.gate_up_proj`, ...) are accepted
-too. MTP modules (`model.layers.{num_hidden_layers + i}.*`, `i < num_mtp_modules`) are kept in
-`model.mtp` as loaded and not used by `forward`.
+too. MTP modules (`model.layers.{num_hidden_layers + k}.*`, `k < num_mtp_modules`; layout and
+sources in `minimax_m2_mtp`) are loaded when present as real layers into `model.mtp` and run by
+`forward_mtp` / `compute_mtp_logits`, never by `forward`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sous.models.layers.linear import make_linear
 from sous.models.layers.moe import FusedMoE, MoEConfig
 from sous.models.layers.norm import RMSNorm
 from sous.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from sous.models.minimax_m2_mtp import MTP_OPTIONAL, MTP_REQUIRED, MiniMaxM2MTP, MiniMaxM2MTPLayer
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(
@@ -161,25 +163,6 @@ class MiniMaxM2DecoderLayer(nn.Module):
         return self.block_sparse_moe.forward(x), residual
 
 
-class MiniMaxM2MTP(nn.Module):
-    """The checkpoint's multi-token-prediction modules, kept as loaded (not run yet).
-
-    `tensors[i]` maps the name inside module `i` (the part after `model.layers.{N + i}.`) to its
-    tensor; `forward` of the main model never reads them."""
-
-    def __init__(self, num_modules: int):
-        super().__init__()
-        self.num_modules = num_modules
-        self.tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(num_modules)]
-
-    def add(self, index: int, name: str, w: torch.Tensor) -> None:
-        self.tensors[index][name] = w
-
-    @property
-    def num_loaded(self) -> int:
-        return sum(len(t) for t in self.tensors)
-
-
 class MiniMaxM2Model(nn.Module):
     def __init__(self, cfg: Any, head_dim: int, rotary_dim: int, dtype: torch.dtype):
         super().__init__()
@@ -198,7 +181,8 @@ class MiniMaxM2Model(nn.Module):
 class MiniMaxM2ForCausalLM(nn.Module):
     """MiniMax-M2 decoder on the paged KV cache (model interface of `LlamaForCausalLM`):
     `forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, H]` (after the
-    final norm); `compute_logits(hidden [N, H]) -> float32 [N, vocab]`."""
+    final norm); `compute_logits(hidden [N, H]) -> float32 [N, vocab]`; MTP drafting through
+    `forward_mtp(k, ...)` / `compute_mtp_logits(k, ...)` over the modules in `self.mtp`."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype):
         super().__init__()
@@ -214,6 +198,14 @@ class MiniMaxM2ForCausalLM(nn.Module):
         self.lm_head: nn.Module = nn.Identity()
         num_mtp = int(getattr(hf_config, "num_mtp_modules", 0) or 0)
         self.mtp = MiniMaxM2MTP(num_mtp)
+
+    def new_mtp_layer(self) -> MiniMaxM2MTPLayer:
+        """Append an (unloaded) MTP module whose block is a decoder layer of the main kind."""
+        cfg = self.config
+        block = MiniMaxM2DecoderLayer(cfg, self.head_dim, self.rotary_dim, self.dtype)
+        layer = MiniMaxM2MTPLayer(cfg.hidden_size, cfg.rms_norm_eps, block, self.dtype)
+        self.mtp.layers.append(layer)
+        return layer
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """Full-width K and V per layer: `2 * layers * kv_heads * head_dim * elem` B/token."""
@@ -243,10 +235,41 @@ class MiniMaxM2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.forward(hidden).float()
 
+    def forward_mtp(
+        self,
+        k: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run MTP module `k` (draft step `k` of a speculative decoder).
+
+        `input_ids` [T]: for each token, the token that follows it (for step 0: the main model's
+        next token); `positions` [T]: the positions of `hidden_states` [T, H], which are the
+        main model's `forward` output (step 0) or the previous `forward_mtp` output (step k>0).
+        `kv_cache` is module k's own one-layer cache (shape of one entry of the main model's
+        `kv_caches`; the caller allocates it, `kv_cache_spec` does not count it) and is written
+        at `attn_metadata`'s slots. Returns [T, H] before the module's final norm; logits via
+        `compute_mtp_logits(k, ...)`. Raises IndexError when module `k` has no weights."""
+        layer = self.mtp[k]
+        table = self.model.embed_tokens.weight if layer.embed_tokens is None else layer.embed_tokens
+        embeds = F.embedding(input_ids, table)
+        cos_sin = self.model.rotary.lookup(positions, self.dtype)
+        return layer.forward(embeds, positions, hidden_states, cos_sin, kv_cache, attn_metadata)
+
+    def compute_mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 [N, vocab] of MTP module `k` for `forward_mtp` output `hidden` [N, H]."""
+        layer = self.mtp[k]
+        head = self.lm_head if layer.shared_head is None else layer.shared_head
+        return head.forward(layer.shared_head_norm.forward(hidden)).float()
+
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named weights (dense tensors). q/k/v are fused as they arrive;
-        raises ValueError on unknown or missing names."""
+        """Load Hugging Face-named weights (dense tensors). q/k/v are fused as they arrive; MTP
+        modules are built as their weights arrive (a module the checkpoint lacks stays absent,
+        one it has must be complete); raises ValueError on unknown or missing names."""
         cfg = self.config
         dev = self.model.norm.weight.device
         pending: dict[int, dict[int, torch.Tensor]] = {}
@@ -291,15 +314,37 @@ class MiniMaxM2ForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r} for MiniMaxM2ForCausalLM")
         idx, rest = int(m.group(1)), m.group(2)
         n_layers = self.config.num_hidden_layers
-        if idx >= n_layers:
-            if idx - n_layers >= self.mtp.num_modules:
+        if idx < n_layers:
+            layer = self.model.layers[idx]
+        else:
+            k = idx - n_layers
+            if k >= self.mtp.num_modules:
                 raise ValueError(
                     f"unexpected weight {name!r}: layer {idx} is beyond num_hidden_layers "
                     f"({n_layers}) + num_mtp_modules ({self.mtp.num_modules})"
                 )
-            self.mtp.add(idx - n_layers, rest, w.to(dev))
-            return
-        layer = self.model.layers[idx]
+            while len(self.mtp.layers) <= k:
+                self.new_mtp_layer()
+            if rest in MTP_REQUIRED or rest in MTP_OPTIONAL:
+                self.mtp[k].load_own(rest, w, self.dtype, dev)
+                loaded.add(f"{idx}.{rest}")
+                return
+            layer = self.mtp[k].block
+        if not self._load_block_weight(layer, idx, rest, w, pending, dev):
+            raise ValueError(f"unexpected weight {name!r} for MiniMaxM2ForCausalLM")
+        loaded.add(f"{idx}.{'self_attn.qkv_proj' if rest in _QKV else rest}")
+
+    def _load_block_weight(
+        self,
+        layer: MiniMaxM2DecoderLayer,
+        idx: int,
+        rest: str,
+        w: torch.Tensor,
+        pending: dict[int, dict[int, torch.Tensor]],
+        dev: torch.device,
+    ) -> bool:
+        """Load `rest` (a name inside a decoder layer) into `layer` (main layer or MTP block
+        `idx`); q/k/v wait in `pending[idx]` until all three arrived. False if unknown."""
         if rest in _NORMS:
             owner = layer.self_attn if rest.startswith("self_attn.") else layer
             _copy_norm(getattr(owner, rest.split(".")[-2]), w)
@@ -310,7 +355,6 @@ class MiniMaxM2ForCausalLM(nn.Module):
                 parts = [slot[i] for i in range(3)]
                 layer.self_attn.qkv_proj = make_linear(parts, None, self.dtype, dev)
                 del pending[idx]
-                rest = "self_attn.qkv_proj"
         elif rest == "self_attn.o_proj.weight":
             layer.self_attn.o_proj = make_linear([w], None, self.dtype, dev)
         elif rest in _MOE_SIMPLE:
@@ -322,24 +366,27 @@ class MiniMaxM2ForCausalLM(nn.Module):
             kind = _EXPERT_KIND.get(e.group(2), e.group(2))
             layer.block_sparse_moe.load_weight(kind, w, int(e.group(1)))
         else:
-            raise ValueError(f"unexpected weight {name!r} for MiniMaxM2ForCausalLM")
-        loaded.add(f"{idx}.{rest}")
+            return False
+        return True
 
     def _check_complete(self, loaded: set[str]) -> None:
         names = (*_NORMS, "self_attn.qkv_proj", "self_attn.o_proj.weight")
         if not getattr(self.config, "use_qk_norm", True):
             qk_norms = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
             names = tuple(n for n in names if n not in qk_norms)
+        n_layers = self.config.num_hidden_layers
+        mtp_idx = range(n_layers, n_layers + self.mtp.num_loaded)
         expected = {"model.norm.weight"} | {
-            f"{i}.{n}" for i in range(self.config.num_hidden_layers) for n in names
-        }
+            f"{i}.{n}" for i in range(n_layers + self.mtp.num_loaded) for n in names
+        } | {f"{i}.{n}" for i in mtp_idx for n in MTP_REQUIRED}
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(
                 n if n.startswith("model.") else f"model.layers.{n}" for n in missing[:8]
             )
             raise ValueError(f"missing weights: {shown}{' ...' if len(missing) > 8 else ''}")
-        for i, layer in enumerate(self.model.layers):
+        blocks = [*self.model.layers, *(layer.block for layer in self.mtp.layers)]
+        for i, layer in enumerate(blocks):
             try:
                 layer.block_sparse_moe.check_loaded()
             except ValueError as err:
