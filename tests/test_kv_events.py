@@ -1,6 +1,6 @@
 """KV cache events over a real ZMQ socket: BlockStored hashes equal the sha256_cbor chain the
 test computes itself; eviction publishes BlockRemoved; reset publishes AllBlocksCleared; the
-replay socket resends buffered batches."""
+replay socket resends buffered batches; in sub-block mode the events carry the sub-block chain."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from sous.kv_transfer.events import hash_to_int
 BLOCK = 16
 
 
-def chain(token_ids: list[int]) -> list[int]:
+def chain(token_ids: list[int], block: int = BLOCK) -> list[int]:
     """The sha256_cbor block-hash chain of the full blocks, as ints (low 64 bits)."""
     parent = sha256_cbor("0")  # conftest sets PYTHONHASHSEED=0
     out = []
-    for i in range(len(token_ids) // BLOCK):
-        parent = hash_block_tokens(sha256_cbor, parent, token_ids[i * BLOCK:(i + 1) * BLOCK])
+    for i in range(len(token_ids) // block):
+        parent = hash_block_tokens(sha256_cbor, parent, token_ids[i * block:(i + 1) * block])
         out.append(hash_to_int(parent))
     return out
 
@@ -114,3 +114,31 @@ def test_reset_and_replay(setup) -> None:
         seqs.append(s)
     dealer.close()
     assert seqs == list(range(0, last_seq + 1))
+
+
+def test_sub_block_mode_publishes_sub_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 64 tokens, sub-blocks of 16 (--max-num-batched-tokens): BlockStored carries
+    the sub-block chain with block_size 16, so a router keyed on 16-token blocks matches it."""
+    monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", "1")
+    port = free_port()
+    llm = LLM(dtype="float32", max_model_len=256, num_gpu_blocks_override=8, block_size=64,
+              max_num_batched_tokens=16, prefix_caching_hash_algo="sha256_cbor",
+              kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                "endpoint": f"tcp://*:{port}", "topic": "kv@test"})
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.5)
+    try:
+        prompt = " ".join(f"word{i}" for i in range(30))
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4),
+                           use_tqdm=False)[0]
+        tokens = out.prompt_token_ids + out.outputs[0].token_ids
+        stored = [e for _, events in receive(sub) for e in events if e[0] == "BlockStored"]
+    finally:
+        sub.close()
+        llm.engine.shutdown()
+    hashes = [h for e in stored for h in e[1]]
+    assert hashes == chain(tokens[:-1], 16) and len(hashes) >= 4  # crosses a 64-token block
+    assert all(e[4] == 16 for e in stored)
+
