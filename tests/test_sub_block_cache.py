@@ -150,3 +150,16 @@ def test_reset_clears_the_sub_block_index() -> None:
     assert kv.take_events()[-1] == ["AllBlocksCleared"]
     _, n = kv.get_computed_blocks(make_request("b", list(range(1, 14))))
     assert n == 0
+
+
+def test_bad_env_value_is_an_error(monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from sous.config.engine_args import parse_serve_args
+
+    monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", "maybe")
+    with pytest.raises(ValueError, match="VLLM_RBLN_SUB_BLOCK_CACHE='maybe'"):
+        resolve_sub_block_size(1024, 128, True)
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args([], environ={"VLLM_RBLN_SUB_BLOCK_CACHE": "maybe"})
+    assert e.value.code == 2
+    assert "VLLM_RBLN_SUB_BLOCK_CACHE='maybe'" in capsys.readouterr().err

@@ -341,6 +341,9 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
         if raw not in ("spawn", "fork"):
             raise ValueError(f"VLLM_WORKER_MULTIPROC_METHOD={raw!r}: expected spawn or fork")
         out["worker_multiproc_method"] = raw
+    from sous.engine.kv_cache.sub_block import env_enabled
+
+    env_enabled(environ)  # validated here so that `sous serve` exits 2 naming the variable
     return out
 
 

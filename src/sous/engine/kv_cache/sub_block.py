@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sous.engine.kv_cache.block_pool import KVCacheBlock
@@ -49,9 +50,16 @@ class SubBlockHit:
     """Matched tokens: a multiple of the sub-block size, less than the block size."""
 
 
-def env_enabled() -> bool:
-    """`VLLM_RBLN_SUB_BLOCK_CACHE` is on unless set to 0 / false (vllm-rbln's default is on)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """`VLLM_RBLN_SUB_BLOCK_CACHE`: on unless 0 / false / no / off (vllm-rbln's default is
+    on); any other value is a ValueError naming the variable."""
+    raw = environ.get(ENV_VAR, "1").strip().lower()
+    if raw not in _TRUE + _FALSE:
+        raise ValueError(f"{ENV_VAR}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+    return raw in _TRUE
 
 
 def resolve_sub_block_size(
