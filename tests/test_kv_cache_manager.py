@@ -9,6 +9,7 @@ from sous.engine.kv_cache.hashing import hash_block_tokens, sha256_cbor
 from sous.engine.kv_cache.manager import KVCacheManager
 from sous.engine.request import Request
 from sous.engine.sampling_params import SamplingParams
+from sous.kv_transfer.events import hash_to_int
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:
@@ -44,6 +45,7 @@ def test_allocate_and_prefix_hit() -> None:
     hits, n = kv.get_computed_blocks(r1)
     assert (hits.block_ids, n) == ([], 0)
     new = kv.allocate_slots(r1, 10)
+    kv.record_prefix_cache_stats(r1, n)  # the scheduler's call at admission
     assert [b.block_id for b in new] == [1, 2, 3]
     assert kv.pool.cached_blocks.keys() == set(r1.block_hashes)
     assert len(r1.block_hashes) == 2
@@ -56,6 +58,7 @@ def test_allocate_and_prefix_hit() -> None:
     assert hits.block_ids == [1, 2]
     assert n == 8
     new = kv.allocate_slots(r2, 3, hits)
+    kv.record_prefix_cache_stats(r2, n)
     assert [b.block_id for b in new] == [4]
     assert kv.get_block_ids("b") == [1, 2, 4]
     assert kv.pool.blocks[1].ref_cnt == 1
@@ -140,3 +143,36 @@ def test_reset_prefix_cache_only_when_idle() -> None:
     kv.free(r1)
     assert kv.reset_prefix_cache() is True
     assert not kv.pool.cached_blocks
+
+
+def test_every_holder_of_a_hash_is_indexed_and_events_follow_the_hash() -> None:
+    """Two requests compute the same prefix before either is cached: both copies are indexed
+    (vLLM), so evicting one keeps the prefix reusable. BlockStored is sent when a hash gets
+    its first holder and BlockRemoved when it loses its last, once each."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, hash_algo="sha256_cbor",
+                        enable_kv_events=True)  # 7 usable blocks
+    r1 = make_request("a", list(range(1, 10)))
+    assert [b.block_id for b in kv.allocate_slots(r1, 2)] == [1]  # a chunk: nothing full yet
+    r1.num_computed_tokens = 2
+    r2 = make_request("b", list(range(1, 10)))
+    assert kv.get_computed_blocks(r2)[1] == 0
+    assert [b.block_id for b in kv.allocate_slots(r2, 9)] == [2, 3, 4]  # caches 2, 3 first
+    assert [b.block_id for b in kv.allocate_slots(r1, 7)] == [5, 6]  # 1 and 5: duplicates
+    h = [hash_to_int(x) for x in r1.block_hashes]
+    assert [e[:2] for e in kv.take_events()] == [["BlockStored", h]]
+
+    kv.free(r2)  # free queue: 7, 4, 3, 2
+    r3 = make_request("c", list(range(50, 66)))
+    assert [b.block_id for b in kv.allocate_slots(r3, 16)] == [7, 4, 3, 2]
+    assert [e[0] for e in kv.take_events()] == ["BlockStored"]  # r3's; a's hashes still held
+
+    r4 = make_request("d", list(range(1, 10)))
+    hits, n = kv.get_computed_blocks(r4)
+    assert (hits.block_ids, n) == ([1, 5], 8)
+    assert [list(kv.pool.cached_blocks[x]) for x in r1.block_hashes] == [[1], [5]]
+
+    kv.free(r1)  # free queue: 6, 5, 1
+    assert kv.allocate_slots(make_request("e", list(range(70, 82))), 12) is not None
+    removed = [e for e in kv.take_events() if e[0] == "BlockRemoved"]
+    assert removed == [["BlockRemoved", [h[1]], "GPU"], ["BlockRemoved", [h[0]], "GPU"]]
+    assert r1.block_hashes[0] not in kv.pool.cached_blocks

@@ -73,7 +73,7 @@ def test_verdicts_and_largest_length():
     longest = fit(dataclasses.replace(base, max_model_len=r.max_model_len_that_fits))
     assert longest.fits
     assert not fit(dataclasses.replace(base, max_model_len=r.max_model_len_that_fits + 1)).fits
-    # 262144 needs weights <= ~39.5 GiB per card (shared/reference/models.md §7): not at TP16
+    # 262144 needs weights <= ~39.5 GiB per card: not at TP16
     assert not fit(dataclasses.replace(base, max_model_len=262144)).fits
     # TP1 cannot hold 688B parameters at all
     r = fit(dataclasses.replace(base, tensor_parallel_size=1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from sous.engine.sampler import SamplingBatch, apply_top_k_top_p, sample
@@ -85,3 +86,26 @@ def test_logprobs_are_raw_and_ranked() -> None:
     assert rank.tolist() == [1]
     assert top_ids.tolist() == [[2, 1]]
     assert torch.allclose(top_lp, expected[0, [2, 1]].unsqueeze(0))
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": math.inf}, {"temperature": math.nan}, {"top_p": math.inf},
+    {"min_p": math.nan}, {"repetition_penalty": math.inf}, {"presence_penalty": -math.inf},
+    {"frequency_penalty": math.nan},
+])
+def test_non_finite_floats_rejected(kw: dict) -> None:
+    with pytest.raises(ValueError, match=f"{next(iter(kw))} must be a finite number"):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, 2**70, -(2**63) - 1])
+def test_seed_outside_int64_rejected(seed: int) -> None:
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63 - 1])
+def test_int64_seeds_seed_a_generator(seed: int) -> None:
+    """The whole accepted range seeds torch generators (negative seeds as 2**64 + seed)."""
+    p = SamplingParams(temperature=1.0, seed=seed)
+    torch.Generator().manual_seed(p.seed)

@@ -139,3 +139,54 @@ def test_prefix_hit_sets_num_cached_tokens() -> None:
     s.add_request(b)
     assert fake_step(s) == {"b": 4}
     assert b.num_cached_tokens == 8
+
+
+def test_long_prefill_token_threshold_caps_admissions_too() -> None:
+    """vLLM caps every prefill chunk at --long-prefill-token-threshold, new admissions
+    included (a prefix hit counts as computed: the cap applies to what is left)."""
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=256,
+                                  long_prefill_token_threshold=5), kv)
+    a = req("a", 12)
+    s.add_request(a)
+    assert fake_step(s) == {"a": 5}
+    assert fake_step(s) == {"a": 5}
+    assert fake_step(s) == {"a": 2}
+    b = req("b", 20)  # shares a's 3 cached full blocks (12 tokens) -> 8 left, in 2 chunks
+    s.add_request(b)
+    assert fake_step(s) == {"a": 1, "b": 5}
+    assert b.num_cached_tokens == 12
+    assert fake_step(s) == {"a": 1, "b": 3}
+
+
+def test_prefix_cache_stats_count_each_admission_once() -> None:
+    """A request that waits several steps for blocks looks the cache up each step but is
+    counted once, when admitted (vLLM); a re-admission after preemption counts apart."""
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)  # 5 usable blocks
+    a = req("a", 16, max_tokens=2)
+    b = Request("b", a.prompt_token_ids[:8] + list(range(100, 108)),
+                SamplingParams(max_tokens=2), frozenset({EOS}), 2)
+    s.add_request(a)
+    s.add_request(b)
+    assert fake_step(s) == {"a": 16}  # b: 2 hit blocks + 2 new > 1 free block
+    assert fake_step(s) == {"a": 1}  # a takes the last block and finishes
+    assert fake_step(s) == {"b": 8}
+    st = s.stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (32, 8)
+    stats = s.kv.stats
+    assert (stats.requests, stats.preempted_requests) == (2, 0)
+
+
+def test_readmissions_after_preemption_are_counted_apart() -> None:
+    s = make_scheduler(num_blocks=7, block_size=4, budget=32)
+    a, b = req("a", 8, max_tokens=12), req("b", 8, max_tokens=12, first=50)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(200):
+        if not s.has_unfinished_requests():
+            break
+        fake_step(s)
+    stats = s.kv.stats
+    assert s.num_preemptions >= 1
+    assert (stats.requests, stats.queries) == (2, 16)
+    assert stats.preempted_requests == s.num_preemptions

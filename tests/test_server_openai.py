@@ -33,7 +33,10 @@ def engine() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def server(engine: Any) -> Iterator[ServerHandle]:
-    with ServerHandle(engine) as handle:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_SERVER_DEV_MODE", "1")  # /reset_prefix_cache, as vLLM's dev mode
+        handle = ServerHandle(engine)
+    with handle:
         yield handle
 
 

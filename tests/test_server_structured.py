@@ -33,6 +33,11 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "description": "Current time in a timezone.",
     "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 12}},
                    "required": ["tz"]}}}
+BOOK = {"type": "object",
+        "properties": {"title": {"type": "string"},
+                       "tags": {"type": "array", "items": {"type": "string"}},
+                       "rating": {"type": "number"}},
+        "required": ["title", "tags", "rating"]}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -138,16 +143,55 @@ def check_weather_args(arguments: str) -> dict:
     return args
 
 
-def test_json_schema_20_seeds_temperature_1(client: openai.OpenAI, model: str) -> None:
+def check_book(obj: Any) -> None:
+    assert isinstance(obj, dict) and set(obj) == {"title", "tags", "rating"}
+    assert isinstance(obj["title"], str) and isinstance(obj["rating"], int | float)
+    assert isinstance(obj["tags"], list) and all(isinstance(t, str) for t in obj["tags"])
+
+
+@pytest.mark.parametrize(("schema", "question", "check"), [
+    (PERSON, "Describe a person as JSON.", check_person),
+    (BOOK, "Recommend a book.", check_book)])
+def test_json_schema_20_seeds_temperature_1(client: openai.OpenAI, model: str, schema: dict,
+                                            question: str, check: Any) -> None:
+    """Seeds 0-19 (n=20 gives choice i the seed 0 + i): every answer is a document of the
+    schema within max_tokens, even where the model would ramble on (BOOK's free strings)."""
     resp = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Describe a person as JSON."}],
-        n=20, seed=7, temperature=1.0, max_tokens=64,
+        model=model, messages=[{"role": "user", "content": question}],
+        n=20, seed=0, temperature=1.0, max_tokens=120,
         response_format={"type": "json_schema",
-                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+                         "json_schema": {"name": "answer", "schema": schema, "strict": True}})
     assert len(resp.choices) == 20
     for choice in resp.choices:
         assert choice.finish_reason == "stop", choice.message.content
-        check_person(json.loads(choice.message.content))
+        check(json.loads(choice.message.content))
+
+
+def test_json_object_closes(client: openai.OpenAI, model: str) -> None:
+    cat = [{"role": "user", "content": "Give me a JSON object describing a cat."}]
+    for temperature, n in ((1.0, 6), (0.0, 1)):
+        resp = client.chat.completions.create(
+            model=model, messages=cat, n=n, seed=0, temperature=temperature, max_tokens=200,
+            response_format={"type": "json_object"})
+        for choice in resp.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            assert isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_that_cannot_compile_is_400(client: openai.OpenAI, model: str,
+                                            stream: bool) -> None:
+    """`root ::= a / a ::= a` parses but accepts nothing: a 400 naming the problem before any
+    output (streamed or not), on both endpoints."""
+    grammar = "root ::= a\na ::= a"
+    with pytest.raises(openai.BadRequestError, match="accepts no output") as info:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=4, stream=stream,
+                                       extra_body={"structured_outputs": {"grammar": grammar}})
+    assert info.value.status_code == 400 and info.value.body["param"] == "structured_outputs"
+    with pytest.raises(openai.BadRequestError, match="accepts no output") as info:
+        client.completions.create(model=model, prompt="Hi", max_tokens=4, stream=stream,
+                                  extra_body={"guided_grammar": "root ::= [^\\x00-\\U0010FFFF]"})
+    assert info.value.status_code == 400 and info.value.body["param"] == "guided_grammar"
 
 
 def test_choice_regex_and_json_object(client: openai.OpenAI, model: str) -> None:

@@ -10,16 +10,18 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from sous import LLM, SamplingParams
 from sous.config.scheduler import SchedulerConfig
+from sous.config.structured_outputs import StructuredOutputsConfig
 from sous.engine.kv_cache.manager import KVCacheManager
 from sous.engine.outputs import RequestOutput
 from sous.engine.request import Request, RequestStatus
 from sous.engine.sampling_params import RequestOutputKind
 from sous.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from sous.engine.structured_output import StructuredOutputsParams
-from sous.engine.structured_output.backend_xgrammar import validate
+from sous.engine.structured_output.backend_xgrammar import XgrammarBackend, validate
 from sous.engine.structured_output.manager import StructuredOutputManager
 from sous.engine.structured_output.request import StructuredOutputRequest
 
@@ -246,3 +248,113 @@ def test_constraint_applies_only_after_reasoning_ends(llm: LLM) -> None:
     assert out.token_ids[:k + 1] == free[:k + 1]
     answer = llm.get_tokenizer().decode(out.token_ids[k + 1:], skip_special_tokens=True)
     assert answer in ("yes", "no") and out.finish_reason == "stop"
+
+
+# ---- whitespace, compile failures, configuration ------------------------------------------
+
+@pytest.fixture(scope="module")
+def backend(smollm_tokenizer) -> XgrammarBackend:
+    return XgrammarBackend(smollm_tokenizer, VOCAB, [EOS])
+
+
+def test_json_whitespace_is_bounded(backend: XgrammarBackend) -> None:
+    free = backend.compile(StructuredOutputsParams(json=PERSON).key())
+    m = xgr.GrammarMatcher(free)
+    assert m.accept_string('{\n    "name"')
+    assert not xgr.GrammarMatcher(free).accept_string("{" + "\n" * 64)
+    obj = backend.compile(StructuredOutputsParams(json_object=True).key())
+    assert not xgr.GrammarMatcher(obj).accept_string('{"a":' + " " * 64)
+    compact = backend.compile(StructuredOutputsParams(json_object=True,
+                                                      disable_any_whitespace=True).key())
+    assert not xgr.GrammarMatcher(compact).accept_string("{\n")
+    assert xgr.GrammarMatcher(compact).accept_string('{"a": 1}')
+
+
+@pytest.mark.parametrize("grammar", ["root ::= a\na ::= a", "root ::= [^\\x00-\\U0010FFFF]"])
+def test_grammar_that_accepts_nothing_fails_to_compile(manager: StructuredOutputManager,
+                                                       grammar: str) -> None:
+    params = StructuredOutputsParams(grammar=grammar)
+    validate(params)  # it parses ...
+    with pytest.raises(ValueError, match="accepts no output"):  # ... but cannot compile
+        manager.compile_future(params).result(timeout=60)
+
+
+@pytest.mark.parametrize(("so", "prefix"), [
+    ({"json": PERSON}, ""), ({"json": PERSON}, '{"na'), ({"json": PERSON}, '{"name": "Bo'),
+    ({"json": PERSON}, '{"name": "Bo",\n  "age": 1'),
+    ({"json_object": True}, '{"a": [{"b": [1, 2, {"c": "xx'), ({"json_object": True}, '{"a": tr'),
+    ({"json_object": True}, '{"a": -1.5e'), ({"json_object": True}, '{"k": "v",'),
+])
+def test_completion_finishes_the_document(backend: XgrammarBackend, so: dict,
+                                          prefix: str) -> None:
+    m = xgr.GrammarMatcher(backend.compile(StructuredOutputsParams(**so).key()),
+                           override_stop_tokens=[EOS])
+    assert m.accept_string(prefix)
+    ids = backend.closer.completion(m)
+    assert ids is not None and ids[-1] == EOS and len(ids) <= 24
+    text = backend.closer.tokenizer.decode(ids[:-1])
+    doc = json.loads(prefix + text)
+    if "json" in so:
+        assert set(doc) == {"name", "age"} and isinstance(doc["age"], int)
+    assert not m.is_completed() and m.accept_string(text) and m.is_completed()  # unchanged
+
+
+def test_structured_outputs_config_validation() -> None:
+    from sous.config.engine_args import engine_config_from_kwargs, parse_serve_args
+
+    assert StructuredOutputsConfig.from_dict({"backend": "xgrammar", "disable_fallback": True})
+    for bad, message in [({"backend": "guidance"}, "backend 'guidance' is not supported"),
+                         ({"disable_any_whitespac": True}, "unknown field.*disable_any_whitespac"),
+                         ({"enable_in_reasoning": 1}, "enable_in_reasoning must be a bool"),
+                         ({"reasoning_parser_plugin": "p.py"}, "reasoning_parser_plugin")]:
+        with pytest.raises(ValueError, match=message):
+            StructuredOutputsConfig.from_dict(bad)
+        with pytest.raises(SystemExit) as info:
+            parse_serve_args(["--structured-outputs-config", json.dumps(bad)])
+        assert info.value.code == 2
+    with pytest.raises(ValueError, match="structured_outputs_config=.*unknown reasoning parser"):
+        engine_config_from_kwargs(structured_outputs_config={"reasoning_parser": "nope"})
+    engine, server = parse_serve_args(["--structured-outputs-config",
+                                       '{"reasoning_parser": "deepseek_r1"}'])
+    assert server.reasoning_parser == "deepseek_r1"
+    assert engine.structured_outputs_config == {"reasoning_parser": "deepseek_r1"}
+
+
+def test_config_sets_reasoner_and_defaults(smollm_tokenizer) -> None:
+    config = StructuredOutputsConfig(reasoning_parser="deepseek_r1", enable_in_reasoning=True,
+                                     disable_any_whitespace=True)
+    mgr = StructuredOutputManager(smollm_tokenizer, VOCAB, [EOS], 4, config=config)
+    assert mgr.reasoner is not None and mgr.enable_in_reasoning
+    assert mgr.validate(StructuredOutputsParams(json=PERSON))[2] is False
+    mgr.set_reasoner(None)
+    assert mgr.enable_in_reasoning
+    mgr.shutdown()
+
+
+# ---- finishing within max_tokens (bundled model) ------------------------------------------
+
+def test_json_finishes_within_max_tokens(llm: LLM) -> None:
+    prompt = _chat(llm, "Give me a JSON object describing a cat.")
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
+                             structured_outputs={"json_object": True}) for s in range(8)]
+    for out in llm.generate([prompt] * 8, params, use_tqdm=False):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop" and len(o.token_ids) <= 40, o.text
+        assert isinstance(json.loads(o.text), dict)
+    (tiny,) = llm.generate(prompt, SamplingParams(
+        temperature=0.0, max_tokens=3, structured_outputs={"json": PERSON}), use_tqdm=False)
+    assert tiny.outputs[0].finish_reason == "length" and len(tiny.outputs[0].token_ids) == 3
+
+
+def test_offline_structured_outputs_config_compact_json() -> None:
+    compact = LLM(dtype="float32", max_model_len=512, kv_cache_memory_bytes=32 << 20,
+                  max_num_seqs=4, structured_outputs_config={"disable_any_whitespace": True})
+    try:
+        prompt = _chat(compact, "Describe a person as JSON.")
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
+                                 structured_outputs={"json": PERSON}) for s in range(4)]
+        for out in compact.generate([prompt] * 4, params, use_tqdm=False):
+            text = out.outputs[0].text
+            assert "\n" not in text and json.loads(text)["age"] >= 0, text
+    finally:
+        compact.engine.shutdown()

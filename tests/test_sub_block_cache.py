@@ -56,8 +56,9 @@ def test_mode_selection(caplog: pytest.LogCaptureFixture,
         assert resolve_sub_block_size(1024, 1024, True) is None  # not a *larger* multiple
         assert resolve_sub_block_size(1024, 384, True) is None  # not a multiple
         assert resolve_sub_block_size(1024, 128, False) is None
-        monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", "0")
-        assert resolve_sub_block_size(1024, 128, True) is None
+        assert resolve_sub_block_size(1024, 128, True, enable_sub_block_cache=False) is None
+        monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", "0")  # the config decides, not this
+        assert resolve_sub_block_size(1024, 128, True) == 128
     text = caplog.text
     assert "sub-blocks of 128 tokens" in text
     assert "full blocks of 16 tokens" in text and "VLLM_RBLN_SUB_BLOCK_CACHE=0" in text
@@ -80,7 +81,8 @@ def test_tail_hit_copies_matched_slots_into_a_new_block() -> None:
     assert kv.take_copy_ops() == [KVCacheCopyOp(src_block_id=2, dst_block_id=3, num_tokens=4)]
     kv.commit([(r2, 14)])
     assert kv.pool.blocks[2].ref_cnt == 1
-    assert kv.stats.hits == 12
+    kv.record_prefix_cache_stats(r2, n)  # the scheduler's call at admission
+    assert (kv.stats.queries, kv.stats.hits) == (14, 12)
 
 
 def test_hit_is_capped_below_prompt_length() -> None:
@@ -154,12 +156,45 @@ def test_reset_clears_the_sub_block_index() -> None:
 
 def test_bad_env_value_is_an_error(monkeypatch: pytest.MonkeyPatch,
                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from sous.config.engine_args import parse_serve_args
+    from sous.config.engine_args import engine_config_from_kwargs, parse_serve_args
 
     monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", "maybe")
     with pytest.raises(ValueError, match="VLLM_RBLN_SUB_BLOCK_CACHE='maybe'"):
-        resolve_sub_block_size(1024, 128, True)
+        engine_config_from_kwargs()
     with pytest.raises(SystemExit) as e:
         parse_serve_args([], environ={"VLLM_RBLN_SUB_BLOCK_CACHE": "maybe"})
     assert e.value.code == 2
     assert "VLLM_RBLN_SUB_BLOCK_CACHE='maybe'" in capsys.readouterr().err
+
+
+def test_the_mode_comes_from_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CacheConfig.enable_sub_block_cache`: set by VLLM_RBLN_SUB_BLOCK_CACHE when flags are
+    parsed, by the keyword offline (which wins over the variable); the engine reads only it."""
+    from dataclasses import replace
+
+    from sous import LLM
+    from sous.config.engine_args import engine_config_from_kwargs, parse_serve_args
+    from sous.engine.core import EngineCore
+
+    assert parse_serve_args([], environ={})[0].cache.enable_sub_block_cache is True
+    for raw, on in [("0", False), ("off", False), ("1", True), ("yes", True)]:
+        config = parse_serve_args([], environ={"VLLM_RBLN_SUB_BLOCK_CACHE": raw})[0]
+        assert config.cache.enable_sub_block_cache is on
+    assert engine_config_from_kwargs().cache.enable_sub_block_cache is True
+    monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", "0")
+    assert engine_config_from_kwargs().cache.enable_sub_block_cache is False
+    assert engine_config_from_kwargs(enable_sub_block_cache=True).cache.enable_sub_block_cache
+    with pytest.raises(TypeError, match="enable_sub_block_cache"):
+        engine_config_from_kwargs(enable_sub_block_cache="no")
+
+    kw = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20,
+              block_size=64, max_num_batched_tokens=16)
+    llm = LLM(enable_sub_block_cache=True, **kw)  # the keyword wins over the variable
+    assert llm.engine.kv_cache_manager.sub_block_size == 16
+    monkeypatch.setenv("VLLM_RBLN_SUB_BLOCK_CACHE", "1")
+    assert LLM(enable_sub_block_cache=False, **kw).engine.kv_cache_manager.sub_block_size is None
+    # EngineCore reads the config it is given, whatever the environment says.
+    off = replace(llm.engine.config, cache=replace(llm.engine.config.cache,
+                                                   enable_sub_block_cache=False))
+    engine = EngineCore(off, loaded=llm.engine.loaded)
+    assert engine.kv_cache_manager.sub_block_size is None

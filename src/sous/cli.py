@@ -1,4 +1,4 @@
-"""The `sous` command: serve | bench serve | recipe | route.
+"""The `sous` command: serve | bench serve | recipe.
 
 `sous serve [MODEL] [vLLM flags]` parses with `sous.config.engine_args` and starts
 `sous.server.api_server.run_server`; `sous bench serve` is the load generator in
@@ -20,9 +20,8 @@ __all__ = ["main"]
 _SUBCOMMANDS = {
     "serve": "OpenAI-compatible server (vLLM flags); `sous serve --help` lists them.",
     "bench": "`sous bench serve`: load generator against any OpenAI-compatible server.",
-    "recipe": "Read, plan, check and launch vendor deployment recipes: "
-              "`sous recipe list|show|plan|check|launch`.",
-    "route": "Router in front of several servers (not implemented yet).",
+    "recipe": "Read, plan, check and launch vendor deployment recipes, and browse them: "
+              "`sous recipe list|show|plan|check|launch|page`.",
 }
 
 
@@ -42,15 +41,38 @@ def _setup_logging() -> None:
                             format="%(levelname)s %(asctime)s %(name)s: %(message)s")
 
 
+def _port_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound (checked before the model loads), or None."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return f"--host {host} --port {port}: cannot listen there ({e.strerror or e})"
+    return None
+
+
 def _serve(argv: list[str]) -> int:
+    """`sous serve`: flag errors exit 2 in the parser; start-up ConfigErrors (a model path,
+    a size that does not fit, a busy port) print one line and exit 2 too."""
     from sous.config.engine_args import parse_serve_args
+    from sous.config.errors import ConfigError
 
     _setup_logging()
     engine_config, server_config = parse_serve_args(argv)
-    from sous.server.api_server import run_server
+    try:
+        problem = _port_problem(server_config.host, server_config.port)
+        if problem:
+            raise ConfigError(problem)
+        from sous.server.api_server import run_server
 
-    run_server(engine_config, server_config)
-    return 0
+        return run_server(engine_config, server_config)
+    except ConfigError as e:
+        print(f"sous serve: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _bench(argv: list[str]) -> int:
@@ -81,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return recipe_main(rest)
     if command == "route":
-        print(f"sous {command}: not implemented yet", file=sys.stderr)
+        print("sous route: not built yet (the llm-d router is planned); run one `sous serve` "
+              "per endpoint meanwhile", file=sys.stderr)
         return 2
     parser = _top_parser()
     parser.parse_args(args)  # --help, --version and errors exit here

@@ -28,6 +28,11 @@ class EngineConfig:
     kv_events_config: dict[str, Any] | None = None
     """KV cache event publishing as JSON, vLLM's shape: `{"enable_kv_cache_events": true,
     "publisher": "zmq", "endpoint": ..., "topic": ...}`."""
+    structured_outputs_config: dict[str, Any] | None = None
+    """Structured outputs as JSON, vLLM's fields: `{"backend": "auto"|"xgrammar",
+    "disable_any_whitespace": bool, "disable_additional_properties": bool,
+    "disable_fallback": bool, "reasoning_parser": str, "enable_in_reasoning": bool}` (see
+    `sous.config.structured_outputs`)."""
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding as JSON, vLLM's shape: `{"method": "ngram"|"suffix"|"eagle3"|"mtp",
     "num_speculative_tokens": ..., "model": ...}`."""

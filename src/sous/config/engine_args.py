@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import sys
+import textwrap
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, NoReturn
@@ -70,9 +71,14 @@ _GROUPS: tuple[tuple[type, str | None], ...] = (
 # Fields that are not flags: derived values and settings vLLM takes from the environment.
 _NOT_FLAGS = {
     (SchedulerConfig, "max_model_len"),  # copied from --max-model-len
+    (CacheConfig, "cpu_kvcache_space_bytes"),  # VLLM_CPU_KVCACHE_SPACE
     (ParallelConfig, "worker_multiproc_method"),  # VLLM_WORKER_MULTIPROC_METHOD
     (EngineConfig, "engine_ready_timeout_s"),  # VLLM_ENGINE_READY_TIMEOUT_S
+    (CacheConfig, "enable_sub_block_cache"),  # VLLM_RBLN_SUB_BLOCK_CACHE
 }
+_KEYWORD_NOT_FLAGS = {(CacheConfig, "enable_sub_block_cache")}
+"""Fields that are no flag but are keywords of `engine_config_from_kwargs` (the offline `LLM`):
+an explicit keyword wins over the environment variable."""
 _EXTRA_CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),
@@ -83,7 +89,7 @@ _OFFLINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 8192}  # vLLM's L
 
 # ----------------------------------------------------------------------------- values
 
-_HUMAN_INTS = {"max_num_batched_tokens", "kv_cache_memory_bytes"}
+_HUMAN_INTS = {"max_num_batched_tokens", "kv_cache_memory_bytes", "max_request_body_bytes"}
 _HUMAN_INT_HELP = ("Accepts k/m/g/t (x1000) and K/M/G/T, Ki/Mi/Gi/Ti, KiB/MiB/GiB/TiB "
                    "(x1024) suffixes, e.g. 32k, 4GiB.")
 _CHECKS: dict[str, Callable[[Any], str | None]] = {
@@ -102,7 +108,10 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "data_parallel_rpc_port": lambda v: None if v is None or 0 < v < 65536 else "not a port",
     "port": lambda v: None if 0 <= v < 65536 else "not a port",
     "max_log_len": at_least(0),
+    "max_request_body_bytes": at_least(1),
+    "shutdown_timeout": at_least(0),
     "kv_events_config": lambda v: _kv_events_problem(v),
+    "structured_outputs_config": lambda v: _structured_outputs_problem(v),
     "tool_call_parser": lambda v: _parser_problem("tool_parsers", "tool call", v),
     "reasoning_parser": lambda v: _parser_problem("reasoning", "reasoning", v),
 }
@@ -128,6 +137,16 @@ def _kv_events_problem(value: dict[str, Any] | None) -> str | None:
     return None
 
 
+def _structured_outputs_problem(value: dict[str, Any] | None) -> str | None:
+    from sous.config.structured_outputs import StructuredOutputsConfig
+
+    try:
+        parser = StructuredOutputsConfig.from_dict(value).reasoning_parser
+    except ValueError as e:
+        return str(e).removeprefix("--structured-outputs-config: ")
+    return _parser_problem("reasoning", "reasoning", parser or None)
+
+
 # ----------------------------------------------------------------------------- not yet
 
 
@@ -138,15 +157,17 @@ class NotYet(NamedTuple):
     when: Callable[[Any], bool]
     flag: str
     reason: str
+    refused: str = ""
+    """The refused values as `--help` shows them (e.g. `> 1`); empty: any value."""
 
 
 _DP = "sous runs one engine (data parallel serving is planned)"
 NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("tensor_parallel_size", lambda v: v > 1, "--tensor-parallel-size",
-           "sous runs one engine process on one device"),
+           "sous runs one engine process on one device", "> 1"),
     NotYet("pipeline_parallel_size", lambda v: v > 1, "--pipeline-parallel-size",
-           "sous runs one engine process on one device"),
-    NotYet("data_parallel_size", lambda v: v > 1, "--data-parallel-size", _DP),
+           "sous runs one engine process on one device", "> 1"),
+    NotYet("data_parallel_size", lambda v: v > 1, "--data-parallel-size", _DP, "> 1"),
     NotYet("data_parallel_rank", lambda v: v is not None, "--data-parallel-rank", _DP),
     NotYet("data_parallel_address", lambda v: v is not None, "--data-parallel-address", _DP),
     NotYet("data_parallel_rpc_port", lambda v: v is not None, "--data-parallel-rpc-port", _DP),
@@ -155,7 +176,7 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("enable_chunked_prefill", lambda v: not v, "--no-enable-chunked-prefill",
            "the scheduler always chunks prefills"),
     NotYet("model_impl", lambda v: v == "transformers", "--model-impl",
-           "sous runs its own model implementations (`auto`/`vllm`)"),
+           "running transformers' modelling code is not wired in", "transformers"),
     NotYet("kv_transfer_config", lambda v: v is not None, "--kv-transfer-config",
            "KV connectors (offload, P/D transfer) are planned"),
     NotYet("speculative_config", lambda v: v is not None, "--speculative-config",
@@ -191,15 +212,19 @@ class _Field(NamedTuple):
 
 
 @functools.cache
-def _fields() -> tuple[_Field, ...]:
-    """All flag fields of all groups, in group order; checks names are unique."""
+def _fields(keywords: bool = False) -> tuple[_Field, ...]:
+    """All flag fields of all groups, in group order (`keywords`: and _KEYWORD_NOT_FLAGS);
+    checks names are unique."""
     out: list[_Field] = []
     for cls, _ in _GROUPS:
         hints = typing.get_type_hints(cls)
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             base, optional = unwrap_optional(hints[f.name])
-            if (cls, f.name) in _NOT_FLAGS or dataclasses.is_dataclass(base):
+            key = (cls, f.name)
+            if key in _NOT_FLAGS and not (keywords and key in _KEYWORD_NOT_FLAGS):
+                continue
+            if dataclasses.is_dataclass(base):
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             flag = "--" + f.name.replace("_", "-")
@@ -247,9 +272,10 @@ def _help(f: _Field) -> str:
         text += " " + _HUMAN_INT_HELP
     if f.name == "max_model_len":
         text += " `auto` or -1: the model's context length."
-    rows = [r for r in NOT_SUPPORTED_YET if r.field == f.name]
-    if rows:
-        text += " [Not supported yet: " + "; ".join(r.reason for r in rows) + ".]"
+    for row in NOT_SUPPORTED_YET:
+        if row.field == f.name:
+            refused = f" {row.refused}" if row.refused else ""
+            text += f" [{row.flag}{refused} is not supported yet: {row.reason}.]"
     return text.replace("%", "%%")
 
 
@@ -278,6 +304,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=40)
 
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        """Wrap without breaking flag names at their hyphens."""
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
     def _get_help_string(self, action: argparse.Action) -> str | None:
         return action.help if action.default is None else super()._get_help_string(action)
 
@@ -287,8 +317,13 @@ def make_serve_parser(prog: str = "sous serve") -> argparse.ArgumentParser:
     parser = _ServeParser(
         prog=prog, formatter_class=_HelpFormatter, allow_abbrev=False,
         description="Start the OpenAI-compatible server (vLLM's `vllm serve` flags). "
-        "Environment: VLLM_API_KEY (api key fallback), VLLM_ENGINE_READY_TIMEOUT_S, "
-        "VLLM_WORKER_MULTIPROC_METHOD (spawn|fork).")
+        "Environment: VLLM_API_KEY (api key fallback), VLLM_CPU_KVCACHE_SPACE (KV cache GiB on "
+        "CPU, default 4), VLLM_ENGINE_READY_TIMEOUT_S (seconds the engine may take to start), "
+        "VLLM_WORKER_MULTIPROC_METHOD (spawn|fork: how worker processes start; sous runs the "
+        "model in the server process today, so there are none), PYTHONHASHSEED (the root of "
+        "prefix-cache hashes; set it wherever hashes cross processes: KV events), "
+        "VLLM_RBLN_SUB_BLOCK_CACHE (0 turns sub-block prefix caching off), "
+        "VLLM_SERVER_DEV_MODE (1 exposes POST /reset_prefix_cache, as in vLLM).")
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                         help="Model folder or GGUF file (default: the bundled "
                         "SmolLM2-135M-Instruct). Same as --model.")
@@ -336,14 +371,25 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
             out["engine_ready_timeout_s"] = -1.0
         if not out["engine_ready_timeout_s"] > 0:
             raise ValueError(f"VLLM_ENGINE_READY_TIMEOUT_S={raw!r}: expected seconds > 0")
+    raw = environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if raw:
+        try:
+            gib = float(raw)
+        except ValueError:
+            gib = -1.0
+        if not gib >= 0:
+            raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={raw!r}: expected GiB >= 0 (0: the default)")
+        if gib > 0:
+            out["cpu_kvcache_space_bytes"] = int(gib * 2**30)
     raw = environ.get("VLLM_WORKER_MULTIPROC_METHOD", "").strip()
     if raw:
         if raw not in ("spawn", "fork"):
             raise ValueError(f"VLLM_WORKER_MULTIPROC_METHOD={raw!r}: expected spawn or fork")
         out["worker_multiproc_method"] = raw
-    from sous.engine.kv_cache.sub_block import env_enabled
+    from sous.engine.kv_cache.sub_block import ENV_VAR, env_enabled
 
-    env_enabled(environ)  # validated here so that `sous serve` exits 2 naming the variable
+    if ENV_VAR in environ:  # a bad value: `sous serve` exits 2 naming the variable
+        out["enable_sub_block_cache"] = env_enabled(environ)
     return out
 
 
@@ -366,6 +412,10 @@ def _log_notes(values: Mapping[str, Any]) -> None:
     if values.get("trust_remote_code"):
         logger.warning("--trust-remote-code: sous runs only its own model code, never code "
                        "shipped with a checkpoint; the flag has no further effect.")
+    if values.get("worker_multiproc_method"):
+        logger.info("VLLM_WORKER_MULTIPROC_METHOD=%s: sous runs the model in this process "
+                    "today, so there are no worker processes for it to start.",
+                    values["worker_multiproc_method"])
     if values.get("download_dir"):
         logger.warning("--download-dir: sous never downloads models; pass a local folder "
                        "or GGUF file as MODEL.")
@@ -399,6 +449,11 @@ def parse_serve_args(
         parser.exit(2, "".join(f"{parser.prog}: error: {p}\n" for p in problems))
     if values["enable_auto_tool_choice"] and not values["tool_call_parser"]:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    so_parser = (values.get("structured_outputs_config") or {}).get("reasoning_parser")
+    if so_parser and values["reasoning_parser"] not in (None, so_parser):
+        parser.error(f"--reasoning-parser {values['reasoning_parser']!r} and "
+                     f"--structured-outputs-config reasoning_parser {so_parser!r} differ")
+    values["reasoning_parser"] = values["reasoning_parser"] or so_parser or None
     _log_notes(values)
     return _build(values)
 
@@ -436,7 +491,7 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
 
     Raises TypeError for unknown keywords or wrong types, ValueError for bad values and
     NotSupportedYetError for settings sous does not implement yet; all name the keyword."""
-    fields = {f.name: f for f in _fields() if f.owner is not ServerConfig}
+    fields = {f.name: f for f in _fields(keywords=True) if f.owner is not ServerConfig}
     unknown = sorted(set(kwargs) - set(fields))
     if unknown:
         hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(
@@ -449,7 +504,7 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
             values[name] = _coerce(fields[name], value)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}={value!r}: {e}") from None
-    values.update(_env_values(os.environ))
+    values.update({k: v for k, v in _env_values(os.environ).items() if k not in kwargs})
     problems = _not_yet_messages(values, as_kwargs=True)
     if problems:
         raise NotSupportedYetError(" ".join(problems))

@@ -28,7 +28,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow custom model code from the checkpoint (sous runs only its own model code)."""
     model_impl: Literal["auto", "vllm", "transformers"] = "auto"
-    """Model implementation: sous always runs its own implementation (`auto`/`vllm`)."""
+    """Model implementation: `auto` and `vllm` both run sous' own implementation of the
+    architecture."""
     quantization: Literal["gguf"] | None = None
     """`gguf`: keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices quantised and run them on torch's
     int4 CPU kernel (about 4x less memory traffic; bf16 matmul numerics). Default: dequantise

@@ -12,6 +12,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     """Resolved max model length (copied from the model config once known)."""
     long_prefill_token_threshold: int = 0
-    """Cap on the tokens one running request prefills in a step (0: no cap)."""
+    """Cap on the tokens one request prefills in a step, whether it is running or being
+    admitted (0: no cap)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks across engine steps (always on in sous)."""

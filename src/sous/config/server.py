@@ -27,3 +27,10 @@ class ServerConfig:
     """Reasoning parser name."""
     response_role: str = "assistant"
     """Role of the generated chat message."""
+    max_request_body_bytes: int = 32 * 2**20
+    """sous-specific: requests with a larger body get 413 before it is read (32 MiB holds a
+    prompt of a million tokens, as text or as token ids)."""
+    shutdown_timeout: int = 5
+    """On SIGTERM/SIGINT: seconds requests in flight may take to finish while new ones get
+    503; the rest are then aborted (finish_reason "abort"). 0: abort at once. A second signal
+    exits immediately. (vLLM's flag; its default is 0.)"""

@@ -2,7 +2,15 @@
 
 Contract: `generate()` yields RequestOutputs for one request in its `output_kind`; the last has
 `finished=True`. If the consumer stops early (closes the generator or is cancelled), the request
-is aborted and its KV blocks are freed. All EngineCore calls happen on the engine thread.
+is aborted and its KV blocks are freed.
+
+Threading: every EngineCore call happens on the engine thread (the one running
+`run_engine_loop`). Other threads only put messages in its inbox (`add`, `abort`, `call`)
+and read `get_stats()`, an immutable snapshot the engine thread publishes after every loop
+iteration. Invalid requests are rejected by `EngineCore.add_request` on the engine thread and
+the error comes back as the request's first item. Once the loop has ended (it died, or was
+stopped) no message is accepted: calls raise EngineDeadError at once, and work queued or
+running when it ended is failed with EngineDeadError, so nobody waits forever.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import Any
 
 from sous.config.engine import EngineConfig
 from sous.engine.core import EngineCore
+from sous.engine.errors import EngineDeadError
 from sous.engine.outputs import RequestOutput
 from sous.engine.sampling_params import RequestOutputKind, SamplingParams
 from sous.engine.scheduler import SchedulerStats
@@ -25,10 +34,7 @@ from sous.engine.scheduler import SchedulerStats
 logger = logging.getLogger(__name__)
 
 EngineStats = SchedulerStats
-
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStats", "merge_delta"]
 
 
 def merge_delta(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -54,12 +60,14 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 
 class _Collector:
-    """Hands outputs from the engine thread to one asyncio consumer, merging deltas."""
+    """Hands outputs from the engine thread to one asyncio consumer, merging deltas. An error
+    is raised to the consumer after any output still pending."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, kind: RequestOutputKind) -> None:
         self.loop = loop
         self.kind = kind
-        self.pending: RequestOutput | BaseException | None = None
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
         self.ready = asyncio.Event()
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
@@ -68,21 +76,24 @@ class _Collector:
             self.loop.call_soon_threadsafe(self.put, item)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if (isinstance(item, RequestOutput) and isinstance(self.pending, RequestOutput)
-                and self.kind == RequestOutputKind.DELTA):
+        if isinstance(item, BaseException):
+            if self.error is None and not (self.pending is not None and self.pending.finished):
+                self.error = item
+        elif self.pending is not None and self.kind == RequestOutputKind.DELTA:
             self.pending = merge_delta(self.pending, item)
-        elif not isinstance(self.pending, BaseException):
+        else:
             self.pending = item
         self.ready.set()
 
     async def get(self) -> RequestOutput:
         await self.ready.wait()
         item, self.pending = self.pending, None
-        self.ready.clear()
-        if isinstance(item, BaseException):
-            raise item
-        assert item is not None
-        return item
+        if item is not None:
+            if self.error is None:
+                self.ready.clear()
+            return item
+        assert self.error is not None
+        raise self.error
 
 
 def _deliver(items: list[tuple[_Collector, RequestOutput | BaseException]]) -> None:
@@ -124,11 +135,20 @@ class AsyncLLM:
         self.core = core
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
+        self.max_num_seqs = core.config.scheduler.max_num_seqs
         self.served_model_name = core.loaded.served_model_name
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._lock = threading.Lock()
+        """Orders inbox puts against the loop's end: nothing is queued once `_ended`."""
+        self._closed: str | None = None
+        """Why no new request is accepted (None: accepting)."""
+        self._ended = False
+        """The loop has returned: no message is accepted."""
         self._collectors: dict[str, _Collector] = {}
         self._outbox = _Outbox()
         """Filled by the engine thread during a step, flushed after it."""
+        self._stats = core.stats()
+        """The engine thread's latest snapshot (replaced, never mutated)."""
         self._error: BaseException | None = None
         self._stopped = False
         self._loop_running = threading.Event()
@@ -142,7 +162,7 @@ class AsyncLLM:
     def from_config(cls, config: EngineConfig, start_thread: bool = True) -> AsyncLLM:
         return cls(EngineCore(config), start_thread=start_thread)
 
-    # ---- API ------------------------------------------------------------------------------
+    # ---- API (any thread / the server's event loop) ----------------------------------------
     async def generate(
         self,
         prompt_token_ids: list[int],
@@ -150,59 +170,114 @@ class AsyncLLM:
         request_id: str,
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        if self._error is not None:
-            raise EngineDeadError(f"The engine has stopped: {self._error!r}")
-        self.core.validate(prompt_token_ids, sampling_params)
+        """Outputs of one request. Raises EngineDeadError when the engine is not running,
+        ValueError (from the engine thread, as the first item) when the request is invalid."""
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         collector = _Collector(asyncio.get_running_loop(), sampling_params.output_kind)
         self._collectors[request_id] = collector
-        self._inbox.put(("add", (request_id, prompt_token_ids, sampling_params,
-                                 self._outbox.sink(collector), prompt)))
         finished = False
         try:
+            self._submit("add", (request_id, prompt_token_ids, sampling_params,
+                                 self._outbox.sink(collector), prompt))
             while not finished:
                 out = await collector.get()
                 finished = out.finished
                 yield out
+        except ValueError:
+            finished = True  # rejected by the engine: nothing to abort
+            raise
         finally:
             self._collectors.pop(request_id, None)
             if not finished:
-                self._inbox.put(("abort", [request_id]))
+                self._submit_quietly("abort", [request_id])
 
     async def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", [request_id]))
+        """Stop a request; no further output (the client went away)."""
+        self._submit_quietly("abort", [request_id])
+
+    async def abort_all(self) -> int:
+        """Abort every unfinished request, giving each consumer a last output with
+        finish_reason "abort" (a server-side abort, e.g. at shutdown). Returns how many."""
+        def run() -> int:
+            ids = self.core.unfinished_request_ids()
+            self.core.abort(ids, final_output=True)
+            return len(ids)
+
+        return await asyncio.wrap_future(self._call(run))
 
     def get_stats(self) -> EngineStats:
-        return self.core.stats()
+        """The engine's counters as of its latest loop iteration (a snapshot)."""
+        return self._stats
 
     def is_healthy(self) -> bool:
         return self._error is None and not self._stopped and (
             self._loop_running.is_set() or self._thread is None)
 
+    @property
+    def died(self) -> bool:
+        """True once the step loop has ended on an error (not on stop or a signal)."""
+        return self._error is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine takes no new work (it died, or is shutting down); None if it does."""
+        return self._closed
+
+    def close_to_new(self, reason: str) -> None:
+        """Refuse new requests from now on (EngineDeadError(reason)); running ones go on."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.wrap_future(self._call(self.core.reset_prefix_cache))
 
+    def stop(self) -> None:
+        """Ask the step loop to return (after its current iteration); requests still there
+        get EngineDeadError. Does not wait."""
+        self._stopped = True
+        with self._lock:
+            self._inbox.put(("stop", None))
+
     def shutdown(self) -> None:
         """Stop the step loop (whichever thread runs it) and release the engine."""
-        self._stopped = True
-        self._inbox.put(("stop", None))
+        self.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.core.shutdown()
 
-    # ---- engine thread ---------------------------------------------------------------------
+    # ---- messages to the engine thread -------------------------------------------------------
+    def _submit(self, kind: str, payload: Any) -> None:
+        """Queue a message for the engine thread; EngineDeadError if it cannot be served
+        (the loop has ended, or new requests are refused). Aborts are always accepted."""
+        with self._lock:
+            if kind == "abort" and self._ended:
+                return
+            if self._ended or (kind == "add" and self._closed is not None):
+                raise EngineDeadError(self._closed or "The engine has stopped.")
+            self._inbox.put((kind, payload))
+
+    def _submit_quietly(self, kind: str, payload: Any) -> None:
+        with contextlib.suppress(EngineDeadError):
+            self._submit(kind, payload)
+
     def _call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` on the engine thread; its result (or EngineDeadError) in a Future."""
         fut: Future = Future()
-        self._inbox.put(("call", (fn, fut)))
+        try:
+            self._submit("call", (fn, fut))
+        except EngineDeadError as e:
+            fut.set_exception(e)
         return fut
 
+    # ---- engine thread ---------------------------------------------------------------------
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
             request_id, ids, params, sink, prompt = payload
             try:
                 self.core.add_request(request_id, ids, params, sink, prompt)
-            except Exception as e:  # validated already; anything else goes to the caller
+            except Exception as e:  # invalid: the error is the request's first item
                 sink(e)
         elif kind == "abort":
             self.core.abort(payload)
@@ -214,8 +289,10 @@ class AsyncLLM:
                 fut.set_exception(e)
 
     def run_engine_loop(self) -> None:
-        """Step the engine until `shutdown()`; blocks. KeyboardInterrupt propagates."""
+        """Step the engine until `stop()`; blocks. KeyboardInterrupt propagates. However it
+        ends, pending and running requests are failed with EngineDeadError."""
         self._loop_running.set()
+        reason = "The server is shutting down."
         try:
             while not self._stopped:
                 block = not self.core.has_unfinished_requests()
@@ -231,13 +308,32 @@ class AsyncLLM:
                 if self.core.has_unfinished_requests():
                     self.core.step()
                 self._outbox.flush()
+                self._stats = self.core.stats()
         except KeyboardInterrupt:
             self._stopped = True
             raise
         except BaseException as e:  # a dead engine must not leave clients hanging
             logger.exception("Engine loop died")
             self._error = e
-            for collector in list(self._collectors.values()):
-                collector.put_threadsafe(EngineDeadError(f"The engine has stopped: {e!r}"))
+            reason = f"The engine has stopped: {e!r}"
         finally:
             self._loop_running.clear()
+            self._end(reason)
+
+    def _end(self, reason: str) -> None:
+        """Accept nothing more; fail what is queued and what is running."""
+        with self._lock:
+            self._ended = True
+            if self._closed is None or self._error is not None:
+                self._closed = reason
+        error = EngineDeadError(self._closed)
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "call":
+                payload[1].set_exception(error)
+        self._outbox.flush()
+        for collector in list(self._collectors.values()):
+            collector.put_threadsafe(error)

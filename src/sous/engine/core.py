@@ -13,10 +13,14 @@ from dataclasses import replace
 import torch
 
 from sous.config.engine import EngineConfig
+from sous.config.errors import ConfigError
+from sous.config.structured_outputs import StructuredOutputsConfig
 from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
+from sous.engine.kv_cache.hashing import warn_if_hashes_unshared
 from sous.engine.kv_cache.manager import KVCacheManager
 from sous.engine.kv_cache.sizing import (
     activation_bytes_estimate,
+    budget_source,
     check_max_model_len_fits,
     num_kv_blocks,
 )
@@ -27,10 +31,23 @@ from sous.engine.runner import ModelRunner
 from sous.engine.sampling_params import SamplingParams
 from sous.engine.scheduler import Scheduler, SchedulerStats
 from sous.engine.structured_output.manager import StructuredOutputManager
+from sous.engine.validation import (
+    INT64_MAX,
+    INT64_MIN,
+    RequestValidationError,
+    check_prompt_token_ids,
+    check_token_ids_param,
+    resolve_max_tokens,
+)
 from sous.kv_transfer.events import KVEventsConfig, ZmqEventPublisher
 from sous.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
+
+
+def _wrap_int64(value: int) -> int:
+    """`value` wrapped into the int64 range (torch seeds a generator the same either way)."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN if value > INT64_MAX else value
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,9 +62,9 @@ def resolve_max_model_len(requested: int | None, native: int) -> int:
     if requested is None:
         return native
     if requested > native:
-        raise ValueError(
-            f"User-specified max_model_len ({requested}) is greater than the derived "
-            f"max_model_len (max_position_embeddings={native} in the model's config).")
+        raise ConfigError(
+            f"--max-model-len {requested} is greater than the model's context length "
+            f"(max_position_embeddings={native} in its config): use at most {native}, or auto.")
     return requested
 
 
@@ -72,19 +89,22 @@ class EngineCore:
                                         config.scheduler.max_num_batched_tokens,
                                         config.scheduler.max_num_seqs)
         num_blocks = num_kv_blocks(cache, spec, self.device, act)
-        check_max_model_len_fits(num_blocks, cache.block_size, self.max_model_len)
+        check_max_model_len_fits(num_blocks, cache.block_size, self.max_model_len,
+                                 budget_source(cache, self.device))
         kv_caches = spec.allocate(num_blocks, cache.block_size, self.device)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %d B/token) on %s; "
-            "max_model_len %d; engine ready in %.1f s",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %d B/token) on %s, "
+            "from %s; max_model_len %d; engine ready in %.1f s",
             num_blocks, cache.block_size, (num_blocks - 1) * cache.block_size,
             num_blocks * spec.page_bytes(cache.block_size) / 2**30, spec.bytes_per_token,
-            self.device, self.max_model_len, time.monotonic() - start)
+            self.device, budget_source(cache, self.device), self.max_model_len,
+            time.monotonic() - start)
         self.num_blocks = num_blocks
         self.publisher = self._make_publisher(config)
         sub_block_size = resolve_sub_block_size(cache.block_size,
                                                 config.scheduler.max_num_batched_tokens,
-                                                cache.enable_prefix_caching)
+                                                cache.enable_prefix_caching,
+                                                cache.enable_sub_block_cache)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
                                                cache.enable_prefix_caching,
                                                cache.prefix_caching_hash_algo,
@@ -94,7 +114,8 @@ class EngineCore:
         self.scheduler = Scheduler(sched_config, self.kv_cache_manager)
         self.structured_output_manager = StructuredOutputManager(
             self.tokenizer, hf.vocab_size, sorted(self.eos_token_ids),
-            config.scheduler.max_num_seqs)
+            config.scheduler.max_num_seqs,
+            config=StructuredOutputsConfig.from_dict(config.structured_outputs_config))
         self.scheduler.gates.append(self.structured_output_manager)
         self.runner = ModelRunner(self.loaded.model, kv_caches, cache.block_size, self.device,
                                   seed=config.model.seed)
@@ -109,6 +130,7 @@ class EngineCore:
             logger.warning("--kv-events-config: KV events describe the prefix cache, which "
                            "is disabled (--no-enable-prefix-caching): none will be published.")
             return None
+        warn_if_hashes_unshared("KV events (--kv-events-config)")
         return ZmqEventPublisher(events)
 
     def _publish_events(self) -> None:
@@ -117,40 +139,35 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request against the model; returns the resolved max_tokens."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("The prompt cannot be empty.")
-        if n > self.max_model_len:
-            raise ValueError(
-                f"The decoder prompt (length {n}) is longer than the maximum model length of "
-                f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the "
-                "number of text tokens.")
+        """Check a request against the model (the rules of `sous.engine.validation`, shared
+        with the server); returns the resolved max_tokens. Raises RequestValidationError.
+        Caller's thread: the one that steps the engine (it may touch the grammar cache)."""
         vocab = self.loaded.hf_config.vocab_size
-        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
-            raise ValueError(f"Token id out of vocabulary (size {vocab}) in the prompt.")
+        check_prompt_token_ids(prompt_token_ids, vocab)
+        check_token_ids_param("stop_token_ids", params.stop_token_ids, vocab)
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise RequestValidationError(
+                f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}.",
+                "logprobs")
+        max_tokens = resolve_max_tokens(len(prompt_token_ids), params.max_tokens,
+                                        self.max_model_len)
         if params.structured_outputs is not None:
             self.structured_output_manager.validate(params.structured_outputs)
-        room = self.max_model_len - n
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {params.max_tokens + n} tokens ({n} in the messages, "
-                f"{params.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion.")
-        return params.max_tokens
+        return max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     sink: Sink, prompt: str | None = None) -> None:
+        """Validate and queue a user request (n > 1: n child requests "{i}_{request_id}"
+        seeded `seed + i`); raises (adding nothing) if it is invalid or its id is in use."""
         max_tokens = self.validate(prompt_token_ids, params)
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
         children = []
         for i in range(params.n):
             child_params = params
             child_id = request_id
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
+                seed = None if params.seed is None else _wrap_int64(params.seed + i)
                 child_params = params.clone(n=1, seed=seed)
                 child_id = f"{i}_{request_id}"
             children.append(Request(child_id, list(prompt_token_ids), child_params,
@@ -160,20 +177,33 @@ class EngineCore:
             self.structured_output_manager.init_request(child)
             self.scheduler.add_request(child)
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort user requests (parent ids): frees their KV blocks; no further output."""
+    def abort(self, request_ids: list[str], final_output: bool = False) -> None:
+        """Abort user requests (parent ids): frees their KV blocks. `final_output`: first hand
+        each one's sink a last output (finish_reason "abort" on its unfinished sequences), as
+        for a server-side abort; otherwise (the client left) no further output."""
+        if final_output:
+            self._fail([(r, "aborted") for rid in request_ids
+                        for c in self.output_processor.child_ids(rid)
+                        if (r := self.scheduler.requests.get(c)) is not None], log=False)
         child_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         self.runner.remove_requests(child_ids)
         for rid in request_ids:
             self.output_processor.remove(rid)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """The user (parent) request ids with output still to come."""
+        return list(self.output_processor.parents)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> int:
-        """One schedule -> forward -> update cycle. Returns the number of tokens computed."""
+        """One schedule -> forward -> update cycle. Returns the number of tokens computed.
+
+        A request whose part of the step fails (the runner isolates it) is finished as
+        aborted, with a final output; the other requests of the step are unaffected."""
         so = self.structured_output_manager
         self._fail(so.take_failed())
         out = self.scheduler.schedule()
@@ -183,6 +213,14 @@ class EngineCore:
             return 0
         out.grammar = so.grammar_output(out)
         runner_out = self.runner.execute_model(out)
+        failed = []
+        for s in out.scheduled:
+            if s.request.request_id in runner_out.failed:  # nothing of theirs is kept
+                self.kv_cache_manager.discard_unwritten(s.request, s.num_computed_tokens)
+                failed.append((s.request, runner_out.failed[s.request.request_id]))
+        if failed:
+            out.scheduled = [s for s in out.scheduled
+                             if s.request.request_id not in runner_out.failed]
         produced = self.scheduler.update_from_output(out, runner_out.sampled_token_ids)
         rejected = [r for r, _ in so.advance(produced)]
         for request in rejected:
@@ -194,14 +232,16 @@ class EngineCore:
         done = [r.request_id for r, _ in produced if r.is_finished()]
         if done:
             self.runner.remove_requests(done)
+        self._fail(failed)
         self._publish_events()
         return out.total_num_scheduled_tokens
 
-    def _fail(self, failed: list[tuple[Request, str]]) -> None:
+    def _fail(self, failed: list[tuple[Request, str]], log: bool = True) -> None:
         """Finish (as aborted, with a final output) requests that cannot run, e.g. whose
-        grammar failed to compile."""
+        grammar failed to compile or whose step raised."""
         for request, error in failed:
-            logger.error("Request %s failed: %s", request.request_id, error)
+            if log:
+                logger.error("Request %s failed: %s", request.request_id, error)
             request.status = RequestStatus.FINISHED_ABORTED
             self.output_processor.process([(request, [])], {})
         if failed:

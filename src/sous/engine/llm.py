@@ -18,7 +18,8 @@ PromptType = str | list[int] | dict[str, Any]
 
 class LLM:
     """`LLM(model=None, **engine_kwargs)`: no model means the bundled SmolLM2-135M-Instruct.
-    Keyword arguments are the `sous serve` flags in snake_case (e.g. `max_model_len=2048`)."""
+    Keyword arguments are the `sous serve` flags in snake_case (e.g. `max_model_len=2048`),
+    plus `enable_sub_block_cache` (default: VLLM_RBLN_SUB_BLOCK_CACHE, else on)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         from sous.config.engine_args import engine_config_from_kwargs
@@ -44,7 +45,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. Raises
+        ValueError (RequestValidationError), adding nothing, if any request is invalid: the
+        same checks and messages as the server's (`sous.engine.validation`)."""
         if isinstance(prompts, str | dict) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -56,12 +59,14 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError("The lengths of prompts and sampling_params must be the same.")
         results: dict[str, RequestOutput] = {}
-        order = []
-        for prompt, p in zip(prompts, params, strict=True):
+        requests = []
+        for prompt, p in zip(prompts, params, strict=True):  # all valid, or none is added
             text, ids = self._to_ids(prompt)
-            rid = str(next(self._ids))
-            order.append(rid)
             final = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            self.engine.validate(ids, final)
+            requests.append((str(next(self._ids)), ids, final, text))
+        order = [rid for rid, *_ in requests]
+        for rid, ids, final, text in requests:
             self.engine.add_request(rid, ids, final, lambda out: results.__setitem__(
                 out.request_id, out), prompt=text)
         with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:

@@ -109,19 +109,24 @@ class OutputProcessor:
 
     def _add_tokens(self, child: _Child, new_tokens: list[int],
                     new_logprobs: list[dict[int, Logprob]] | None) -> bool:
+        """Detokenize `new_tokens`; True when a stop string finished a request the scheduler
+        still runs. A stop string wins over the finish the scheduler already applied for the
+        same token (length cap, EOS, stop token id), as in vLLM: the text is cut there, so
+        the finish reason is "stop" with the string as stop_reason."""
         if child.logprobs is not None and new_logprobs:
             for token, entry in zip(new_tokens, new_logprobs, strict=False):
                 child.logprobs.append(entry)
                 child.cumulative_logprob += entry[token].logprob
+        request = child.request
         for token in new_tokens:
             stop = child.detok.add_token(token)
-            if stop is not None:
-                request = child.request
-                if not request.is_finished():
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    request.stop_reason = stop
-                    return True
+            if stop is None:
+                continue
+            was_finished = request.is_finished()
+            if request.status != RequestStatus.FINISHED_ABORTED:
+                request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = stop
+            return not was_finished
         return False
 
     def _completion(self, child: _Child, kind: RequestOutputKind) -> CompletionOutput:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
 from sous.engine.structured_output.params import StructuredOutputsParams
+from sous.engine.validation import INT64_MAX, INT64_MIN
 
 
 class RequestOutputKind(IntEnum):
@@ -19,6 +21,8 @@ class RequestOutputKind(IntEnum):
 
 
 _GREEDY_EPS = 1e-5
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                 "top_p", "min_p")
 
 
 @dataclass
@@ -66,7 +70,15 @@ class SamplingParams:
             if not ok:
                 raise ValueError(msg)
 
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            check(isinstance(value, int | float) and not isinstance(value, bool),
+                  f"{name} must be a number, got {value!r}.")
+            check(math.isfinite(value), f"{name} must be a finite number, got {value}.")
         check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                    and INT64_MIN <= self.seed <= INT64_MAX),
+              f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed}.")
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         check(-2.0 <= self.frequency_penalty <= 2.0,

@@ -110,17 +110,21 @@ class Scheduler:
         out.kv_cache_copy_ops = self.kv.take_copy_ops()
         return out
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        n = request.num_tokens - request.num_computed_tokens
-        if self.config.long_prefill_token_threshold > 0:
-            n = min(n, self.config.long_prefill_token_threshold)
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int) -> int:
+        """Tokens to schedule for `request` once `num_computed_tokens` are in the KV cache:
+        what is left, capped by --long-prefill-token-threshold (running requests and new
+        admissions alike, as vLLM) and by the step's remaining budget."""
+        n = request.num_tokens - num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
         return min(n, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._num_new_tokens(request, budget)
+            n = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -143,9 +147,10 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             computed, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit_tokens, budget)
+            n = self._num_new_tokens(request, num_hit_tokens, budget)
             if self.kv.allocate_slots(request, n, computed) is None:
                 break
+            self.kv.record_prefix_cache_stats(request, num_hit_tokens)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens

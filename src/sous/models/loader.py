@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from sous.config.errors import ConfigError
 from sous.config.load import LoadConfig
 from sous.config.model import ModelConfig
 from sous.models import bundled
@@ -44,7 +45,7 @@ _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
 
 
-class ModelNotFoundError(FileNotFoundError, ValueError):
+class ModelNotFoundError(FileNotFoundError, ConfigError):
     """MODEL is not a local folder or GGUF file (sous never downloads)."""
 
 
@@ -131,7 +132,7 @@ def _locate(model_config: ModelConfig) -> tuple[Path, bool]:
         if not p.exists():
             raise _not_found(model_config.model)
     if model_config.revision not in (None, "main"):
-        raise ValueError(
+        raise ConfigError(
             f"--revision {model_config.revision!r} cannot be used with the local model {str(p)!r}: "
             "sous does not download, so only the files on disk (revision 'main') exist. "
             "Check out the revision you want into a folder and pass that folder."
@@ -140,13 +141,13 @@ def _locate(model_config: ModelConfig) -> tuple[Path, bool]:
         return p, True
     if p.is_file():
         if p.suffix.lower() != ".gguf":
-            raise ValueError(f"{p} is a file but not a .gguf file; pass a .gguf or a model folder")
+            raise ConfigError(f"{p} is a file but not a .gguf file; pass a .gguf or a model folder")
         return p, True
     if not (p / "config.json").is_file():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0], True
-        raise ValueError(
+        raise ConfigError(
             f"{p} is not a Hugging Face-style model folder: it has no config.json"
             + (f" (and {len(ggufs)} .gguf files: pass one of them)" if ggufs else "")
         )
@@ -188,7 +189,7 @@ def _load_gguf(path: Path, mc: ModelConfig, device: torch.device) -> LoadedModel
     dtype = resolve_dtype(mc.dtype, torch.float32, device)
     keep_quantized = mc.quantization == "gguf"
     if keep_quantized and not int4_kernel_available(device):
-        raise ValueError(f"--quantization gguf needs torch's int4 kernel, not available on {device}.")
+        raise ConfigError(f"--quantization gguf needs torch's int4 kernel, not available on {device}.")
     # Small models also keep dense copies for prefill-sized batches (see Int4Linear).
     limit = int(os.environ.get("SOUS_GGUF_DENSE_COPY_MAX_BYTES", 2 << 30))
     dense_fallback = keep_quantized and gg.dense_bytes(reader, dtype) <= limit

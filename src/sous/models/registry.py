@@ -10,6 +10,8 @@ import importlib
 
 from torch import nn
 
+from sous.config.errors import ConfigError
+
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "sous.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "sous.models.llama:LlamaForCausalLM",
@@ -37,7 +39,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     """The class serving `architecture`; ValueError listing the supported ones otherwise."""
     target = _MODELS.get(architecture)
     if target is None:
-        raise ValueError(
+        raise ConfigError(
             f"Model architecture {architecture!r} is not supported by sous. "
             f"Supported architectures: {', '.join(supported_architectures())}"
         )
@@ -46,13 +48,13 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 
 def resolve_architecture(hf_config: object) -> str:
-    """The first of the config's `architectures` that sous supports (ValueError if none)."""
+    """The first of the config's `architectures` that sous supports (ConfigError if none)."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     for a in archs:
         if a in _MODELS:
             return a
     shown = ", ".join(archs) if archs else "(none given in config.json)"
-    raise ValueError(
+    raise ConfigError(
         f"Model architecture {shown} is not supported by sous. "
         f"Supported architectures: {', '.join(supported_architectures())}"
     )

@@ -1,6 +1,6 @@
 """Public architecture numbers of the recipe models, for the memory fit check.
 
-Numbers come from `shared/reference/models.md` (each traced there to its public source):
+Numbers come from the models' public `config.json` files and model cards:
 A.X-K2 (688B, `AXK2ForCausalLM`, DeepSeek-V3.2 family: MLA + sparse-attention indexer) and
 MiniMax-M2.7 (230B, `MiniMaxM2ForCausalLM`: GQA + 256-expert MoE). Parameter counts are
 computed from the config fields below (A.X-K2 comes to ~691B, MiniMax-M2.7 to ~229B), split

@@ -14,6 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from sous.config.flag_utils import human_readable_int
 from sous.recipes.catalog import list_recipes, load_recipe
 from sous.recipes.check import (
     CheckOverrides,
@@ -54,11 +55,20 @@ def _selection_args(p: argparse.ArgumentParser) -> None:
                    metavar="NAME=VALUE", help="fill a <NAME> placeholder (repeatable)")
 
 
+def _size_int(text: str) -> int:
+    """An integer with `sous serve`'s size suffixes (`128k` = 128000, `32K` = 32768)."""
+    try:
+        return human_readable_int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: {e}") from None
+
+
 def _check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="check a model without a recipe (skt/A.X-K2, "
                    "MiniMaxAI/MiniMax-M2.7)")
     p.add_argument("--block-size", type=int)
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-model-len", type=_size_int, metavar="N",
+                   help="tokens; accepts size suffixes like `sous serve` (128k, 32K)")
     p.add_argument("--max-num-seqs", type=int,
                    help="sequences held at full length (default: the recipe's, else 1)")
     p.add_argument("--kv-cache-dtype")

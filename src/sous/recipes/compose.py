@@ -1,4 +1,4 @@
-"""Selection -> processes, exactly as `shared/recipes/README.md` describes.
+"""Selection -> processes, exactly as `docs/recipe-format.md` describes.
 
 A selection gives every axis of the chosen option's grid a value: modes start at `off`,
 toggles at their `option_base`; `recommended=True` then applies the page's recommended

@@ -5,7 +5,9 @@ model (default: the bundled SmolLM2-135M-Instruct) served under the recipe's mod
 the recipe's client example works. Every port of the plan (`--port`, whose vLLM default
 8000 is made explicit, `--data-parallel-rpc-port`, `*_PORT` envs, `tcp://host:PORT`
 endpoints and `kv@host:PORT@` topics) is remapped, consistently, to a free loopback port;
-placeholders are filled with 127.0.0.1. `--max-model-len` belongs to the recipe's model,
+placeholders are filled with 127.0.0.1. Each server's KV cache gets an equal share of the
+machine (`VLLM_CPU_KVCACHE_SPACE`, see `kv_cache_share_gib`) unless the recipe sizes it, so
+N servers never each claim the whole machine. `--max-model-len` belongs to the recipe's model,
 not the stand-in: it is replaced by `--stand-in-max-model-len` or removed (the stand-in's
 own maximum), and the summary says so.
 
@@ -17,7 +19,7 @@ After every server answers `/health`, one chat request goes to each (unless `--n
 then the processes run until Ctrl-C, `--duration` seconds, or one of them exits.
 
 Public API: `add_launch_parser`, `run_launch`, `LaunchSpec`, `build_launch`,
-`unsupported_flags`, `PortMap`.
+`kv_cache_share_gib`, `unsupported_flags`, `PortMap`.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from typing import Any
 from sous.recipes.compose import Arg, EnvVar, Plan, Process
 from sous.recipes.schema import RecipeError
 
-__all__ = ["LaunchSpec", "PortMap", "add_launch_parser", "build_launch", "run_launch",
-           "unsupported_flags"]
+__all__ = ["LaunchSpec", "PortMap", "add_launch_parser", "build_launch", "kv_cache_share_gib",
+           "run_launch", "unsupported_flags"]
 
 _PORT_FLAGS = ("--port", "--data-parallel-rpc-port")
 _URL_PORT = re.compile(r"(tcp://[^\s:/\"']+:)(\d+)")
@@ -163,12 +165,40 @@ def _stand_in_args(process: Process, stand_in_len: int | None) -> tuple[list[Arg
     return args, notes
 
 
+def kv_cache_share_gib(num_servers: int, available_bytes: int | None = None) -> float:
+    """KV cache GiB for each of `num_servers` on this machine: half the memory available
+    now (the rest is for weights, activations and everything else), split evenly, at most
+    vLLM-CPU's default of 4 GiB, at least 0.05 GiB; rounded down to 0.01 GiB."""
+    if available_bytes is None:
+        import psutil
+
+        available_bytes = psutil.virtual_memory().available
+    share = available_bytes / 2 / max(num_servers, 1) / 2**30
+    return max(0.05, min(4.0, int(share * 100) / 100))
+
+
+def _kv_budget_env(process: Process, envs: list[EnvVar], share_gib: float
+                   ) -> tuple[dict[str, str], list[str]]:
+    """The process's environment, plus VLLM_CPU_KVCACHE_SPACE=`share_gib` unless the recipe
+    sizes the KV cache itself; and the note saying so."""
+    env = {e.name: e.value for e in envs}
+    if "VLLM_CPU_KVCACHE_SPACE" in env or process.arg("--kv-cache-memory-bytes") is not None:
+        return env, []
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{share_gib:g}"
+    return env, [f"VLLM_CPU_KVCACHE_SPACE={share_gib:g} (KV cache GiB: half of this machine's "
+                 "available memory, shared by the servers, at most 4)"]
+
+
 def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap,
-                 drop_unsupported: bool, stand_in_len: int | None = None
+                 drop_unsupported: bool, stand_in_len: int | None = None,
+                 kv_share_gib: float | None = None,
                  ) -> tuple[list[LaunchSpec], dict[str, list[tuple[str, str]]]]:
     """The processes to start, and per process label the unsupported flags that block
-    the launch (empty when none, or when they are dropped)."""
+    the launch (empty when none, or when they are dropped). Each server gets an equal KV
+    cache share (`kv_share_gib`, default `kv_cache_share_gib(len(processes))`)."""
     specs, blocking = [], {}
+    if kv_share_gib is None:
+        kv_share_gib = kv_cache_share_gib(len(plan.processes))
     for process in plan.processes:
         if process.launcher_words != ["vllm", "serve"]:
             raise RecipeError(f"{process.label}: launcher {process.launcher!r} is not "
@@ -181,17 +211,17 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
             blocking[process.label] = bad
         elif bad:
             args = [a for a in args if a.flag not in bad_flags]
-        envs = [_remap_env(e, ports) for e in process.envs]
+        env, kv_notes = _kv_budget_env(process, [_remap_env(e, ports) for e in process.envs],
+                                       kv_share_gib)
         port = int(next(a.words[1] for a in args if a.flag == "--port"))
         name = process.role if process.rank is None else f"{process.role}-rank-{process.rank}"
         words = [w for a in args for w in a.words]
         command = (sys.executable, "-m", "sous.cli", "serve",
                    *([stand_in] if stand_in else []), *words)
-        specs.append(LaunchSpec(label=process.label, command=command,
-                                env={e.name: e.value for e in envs}, port=port,
+        specs.append(LaunchSpec(label=process.label, command=command, env=env, port=port,
                                 log=log_dir / f"{name}.log",
                                 dropped=tuple(bad) if drop_unsupported else (),
-                                notes=tuple(notes)))
+                                notes=tuple(notes + kv_notes)))
     return specs, blocking
 
 

@@ -1,4 +1,4 @@
-"""Pydantic models of the vendor recipe format (`shared/recipes/README.md`).
+"""Pydantic models of the vendor recipe format (`docs/recipe-format.md`).
 
 A recipe file is one vendor page's data: a model, several strategies, one option per
 optimisation target, each option with a `grid` from which the commands are composed.

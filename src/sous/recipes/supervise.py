@@ -5,7 +5,7 @@ to its own file, and counts as ready once `GET /health` answers 200. Stopping se
 to each process group, then SIGKILL to what is left after a grace period. Ctrl-C (SIGINT)
 and SIGTERM to the launcher both stop everything.
 
-Public API: `supervise`, `probe_chat`.
+Public API: `supervise`, `probe_chat`, `describe_message`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sous.recipes.launch import LaunchSpec
 
-__all__ = ["probe_chat", "supervise"]
+__all__ = ["describe_message", "probe_chat", "supervise"]
 
 _GRACE_S = 15.0
 
@@ -93,13 +93,26 @@ def _wait_ready(specs: Sequence[LaunchSpec], procs: Sequence[subprocess.Popen[by
 
 
 def probe_chat(port: int, prompt: str = "Say hello.", max_tokens: int = 16) -> str:
-    """One chat completion against the server on `port`; the reply text."""
+    """One chat completion against the server on `port`, shown as a person reads it: the
+    reply's reasoning (when a reasoning parser split it off) and its content, each quoted."""
     models = _http(f"http://127.0.0.1:{port}/v1/models")
     model = models["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0}
     reply = _http(f"http://127.0.0.1:{port}/v1/chat/completions", body, timeout=120.0)
-    return str(reply["choices"][0]["message"]["content"])
+    return describe_message(reply["choices"][0]["message"])
+
+
+def describe_message(message: dict[str, Any]) -> str:
+    """`reasoning: '...'; content: '...'` (reasoning only when present; an absent content
+    is shown as `(none)`, not as 'None')."""
+    parts = []
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        parts.append(f"reasoning: {reasoning!r}")
+    content = message.get("content")
+    parts.append(f"content: {content!r}" if content is not None else "content: (none)")
+    return "; ".join(parts)
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:

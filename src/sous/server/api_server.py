@@ -1,10 +1,14 @@
 """The OpenAI-compatible HTTP server (FastAPI): `build_app(engine, server_config)` and
 `run_server(engine_config, server_config)`.
 
-Endpoints: GET /health (200 empty / 503), GET /version, GET /metrics (Prometheus text),
-GET /v1/models, POST /v1/completions, POST /v1/chat/completions. Every error is OpenAI-shaped
-(`sous.server.errors`); request-body problems are 400 (never FastAPI's 422). With an API key
-(ServerConfig.api_key or env VLLM_API_KEY) every /v1 path needs `Authorization: Bearer <key>`.
+Endpoints: GET /health (200 empty; 503 when the engine is dead or the server is shutting
+down), GET /version, GET /metrics (Prometheus text), GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions; with VLLM_SERVER_DEV_MODE=1 (as vLLM) also
+POST /reset_prefix_cache. Every error is OpenAI-shaped (`sous.server.errors`); request-body
+problems are 400 (never FastAPI's 422), bodies over --max-request-body-bytes 413, and every
+endpoint but /health, /metrics and /version answers 503 at once when the engine is dead or
+the server drains (`sous.server.guard`). With an API key (ServerConfig.api_key or env
+VLLM_API_KEY) every /v1 path needs `Authorization: Bearer <key>` (as vLLM: only /v1).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import sous
 from sous.config.server import ServerConfig
 from sous.server.errors import APIError, error_body, format_validation_error
+from sous.server.guard import RequestGuard
 from sous.server.metrics import ServerMetrics
 from sous.server.serving_chat import ChatServing
 from sous.server.serving_common import ServingContext
@@ -98,7 +103,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_healthy() else 503)
+        ok = engine.is_healthy() and not ctx.state.draining
+        return Response(status_code=200 if ok else 503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -113,13 +119,14 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         return Response(ctx.metrics.render(stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
-        if not await engine.reset_prefix_cache():
-            raise APIError("Cannot reset the prefix cache while requests hold KV blocks; "
-                           "retry when the server is idle.", status=409,
-                           err_type="ConflictError")
-        return Response(status_code=200)
+    if dev_mode_enabled():
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            if not await engine.reset_prefix_cache():
+                raise APIError("Cannot reset the prefix cache while requests hold KV blocks; "
+                               "retry when the server is idle.", status=409,
+                               err_type="ConflictError")
+            return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -147,6 +154,8 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
     api_key = config.api_key or os.environ.get("VLLM_API_KEY")
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestGuard, state=ctx.state, engine=engine,
+                       max_body_bytes=config.max_request_body_bytes)
     # vLLM's defaults (--allowed-origins/methods/headers '*'); added last, so it runs first
     # and CORS preflights never need the API key.
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
@@ -166,32 +175,58 @@ def _connect_reasoning_to_structured_output(engine: Any, config: ServerConfig) -
     core.structured_output_manager.set_reasoner(reasoning_end_detector(parser, core.tokenizer))
 
 
-def run_server(engine_config: Any, server_config: ServerConfig | None = None) -> None:
-    """Load the engine, serve until SIGINT/SIGTERM, then shut everything down.
+def dev_mode_enabled() -> bool:
+    """VLLM_SERVER_DEV_MODE=1: expose the endpoints that change engine state for development
+    (/reset_prefix_cache), as vLLM does."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
+
+
+def run_server(engine_config: Any, server_config: ServerConfig | None = None) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, then shut down gracefully: new requests
+    get 503, those in flight may finish for `--shutdown-timeout` seconds, the rest are
+    aborted with a last event; a second signal exits at once. Returns the exit status: 0
+    after a signal, 1 when the engine died. An engine that does not start within
+    `engine_ready_timeout_s` (VLLM_ENGINE_READY_TIMEOUT_S) raises EngineStartTimeout.
 
     The engine's step loop runs on the main thread and uvicorn on a background thread."""
     from sous.engine.async_llm import AsyncLLM
+    from sous.engine.ready import ready_deadline
     from sous.server.handle import ServerHandle
 
     config = server_config or ServerConfig()
     logger.info("Loading engine ...")
-    engine = AsyncLLM.from_config(engine_config, start_thread=False)
+    with ready_deadline(engine_config.engine_ready_timeout_s):
+        engine = AsyncLLM.from_config(engine_config, start_thread=False)
+    handle = ServerHandle(engine, config, host=config.host, port=config.port)
+    on_signal = _OnSignal(lambda: handle.begin_drain(config.shutdown_timeout))
     # Installed explicitly: a background job's SIGINT may arrive ignored (SIG_IGN) otherwise.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_keyboard_interrupt)
-    handle = ServerHandle(engine, config, host=config.host, port=config.port)
+        signal.signal(sig, on_signal)
+    forced = False
     try:
         handle.start()
         logger.info("Serving model %r (max_model_len=%d) on http://%s:%d",
                     engine.served_model_name, engine.max_model_len, handle.host, handle.port)
         engine.run_engine_loop()
     except KeyboardInterrupt:
-        pass
+        forced = on_signal.count > 1
     finally:
-        logger.info("Shutting down.")
-        handle.stop()
+        logger.info("Shutting down%s.", " at once (second signal)" if forced else "")
+        handle.stop(force=forced or on_signal.count == 0)
         engine.shutdown()
+    return 1 if engine.died else 0
 
 
-def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+class _OnSignal:
+    """SIGINT/SIGTERM handler (main thread): the first starts the drain on the server's
+    event loop (only `call_soon_threadsafe`, safe inside a signal handler); a second one,
+    or one before the server runs, raises KeyboardInterrupt to stop at once."""
+
+    def __init__(self, begin_drain: Any) -> None:
+        self.begin_drain = begin_drain
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count > 1 or not self.begin_drain():
+            raise KeyboardInterrupt

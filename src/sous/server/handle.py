@@ -3,11 +3,14 @@
     with ServerHandle(engine) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x")
 
-The engine is not owned by the handle: the caller shuts it down.
+The engine is not owned by the handle: the caller shuts it down (`begin_drain` stops its
+step loop once the drain is over).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 import threading
 import time
@@ -18,6 +21,19 @@ import uvicorn
 
 from sous.config.server import ServerConfig
 from sous.server.api_server import build_app
+from sous.server.guard import drain
+
+logger = logging.getLogger("sous.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, remembering its event loop (for `ServerHandle.begin_drain`)."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
 
 
 class ServerHandle:
@@ -33,10 +49,11 @@ class ServerHandle:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
-        self._server = uvicorn.Server(uvicorn.Config(
+        self._server = _Server(uvicorn.Config(
             self.app, log_level=self.config.uvicorn_log_level, timeout_keep_alive=5,
             timeout_graceful_shutdown=5))
         self._thread: threading.Thread | None = None
+        self._drain_task: asyncio.Future | None = None
 
     @property
     def url(self) -> str:
@@ -68,9 +85,38 @@ class ServerHandle:
         self.stop()
         raise TimeoutError(f"The server did not become healthy within {timeout:.0f}s.")
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop serving and join the thread."""
+    def begin_drain(self, timeout: float) -> bool:
+        """Start a graceful shutdown (`sous.server.guard.drain`) on the server's loop; when
+        it is over, stop the engine's step loop and the server. Returns False if the server
+        is not running. Safe to call from a signal handler (only `call_soon_threadsafe`)."""
+        loop = self._server.loop
+        if loop is None or loop.is_closed():
+            return False
+        try:
+            loop.call_soon_threadsafe(self._start_drain, timeout)
+        except RuntimeError:  # the loop closed meanwhile
+            return False
+        return True
+
+    def _start_drain(self, timeout: float) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain(timeout))
+
+    async def _drain(self, timeout: float) -> None:
+        try:
+            await drain(self.engine, self.app.state.serving.state, timeout)
+        except Exception:
+            logger.exception("Graceful shutdown failed; stopping now")
+        finally:
+            stop = getattr(self.engine, "stop", None)
+            if stop is not None:
+                stop()
+            self._server.should_exit = True
+
+    def stop(self, timeout: float = 10.0, force: bool = False) -> None:
+        """Stop serving and join the thread (`force`: without waiting for open responses)."""
         self._server.should_exit = True
+        if force:
+            self._server.force_exit = True
         if self._thread is not None:
             self._thread.join(timeout=timeout)
             self._thread = None

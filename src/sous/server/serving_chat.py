@@ -42,7 +42,7 @@ from sous.server.serving_common import (
     respond,
     usage_dict,
 )
-from sous.server.structured_request import build_structured_outputs, tool_choice_schema
+from sous.server.structured_request import structured_outputs_for, tool_choice_schema
 from sous.server.tool_parsers.chat_output import ChatParsing
 
 _RESERVED_TEMPLATE_KWARGS = ("tokenize", "chat_template", "return_dict", "conversation")
@@ -113,6 +113,7 @@ class ChatServing:
             prompt = tok.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors (e.g. raise_exception in the template) -> 400
             raise bad_request(f"Chat template error: {e}", "messages") from None
+        self.ctx.check_prompt_text(prompt, req.requested_max_tokens)
         ids = list(tok.encode(prompt, add_special_tokens=req.add_special_tokens))
         if not ids:
             raise bad_request("The rendered prompt is empty.", "messages")
@@ -140,9 +141,10 @@ class ChatServing:
         req = parse_request(ChatCompletionRequest, await request.body())
         self.ctx.check_model(req.model)
         req.check()
+        self.ctx.check_num_seqs(req.n)
         parsing = self.output_parsing(req)
-        structured = build_structured_outputs(
-            req, tool_choice_schema(req.effective_tool_choice, req.tools))
+        structured = await structured_outputs_for(
+            self.ctx.engine, req, tool_choice_schema(req.effective_tool_choice, req.tools))
         prompt, ids = self.render(req)
         max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens,
                                         self.ctx.max_model_len)

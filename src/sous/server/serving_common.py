@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -20,9 +20,13 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from sous.config.server import ServerConfig
+from sous.engine.errors import EngineDeadError, RequestValidationError
 from sous.engine.outputs import Logprob, RequestOutput
 from sous.engine.sampling_params import SamplingParams
+from sous.engine.validation import resolve_max_tokens as _resolve_max_tokens
 from sous.server.errors import APIError, bad_request, model_not_found
+from sous.server.guard import ServerState
+from sous.server.limits import PromptBound, check_num_seqs
 from sous.server.metrics import RequestMetrics, ServerMetrics
 
 logger = logging.getLogger("sous.server")
@@ -50,6 +54,13 @@ class ServingContext:
     engine: Any
     config: ServerConfig
     metrics: ServerMetrics
+    state: ServerState = field(default_factory=ServerState)
+    prompt_bound: PromptBound | None = None
+    """Set in __post_init__ from the engine's tokenizer."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_bound is None:
+            self.prompt_bound = PromptBound(self.engine.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -68,6 +79,16 @@ class ServingContext:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
+    def check_num_seqs(self, n: int, num_prompts: int = 1) -> None:
+        """400 when a request would add more sequences than `--max-num-seqs`."""
+        check_num_seqs(n, num_prompts, getattr(self.engine, "max_num_seqs", 256))
+
+    def check_prompt_text(self, text: str, requested: int | None) -> None:
+        """400 when `text` surely cannot fit in max_model_len (a cheap bound; call it before
+        tokenizing, and `resolve_max_tokens` on the exact count after)."""
+        assert self.prompt_bound is not None
+        self.prompt_bound.check(text, requested, self.max_model_len)
+
     def log_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
                     params: SamplingParams) -> None:
         if self.config.disable_log_requests or not logger.isEnabledFor(logging.INFO):
@@ -81,23 +102,12 @@ class ServingContext:
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
-    """vLLM's context-length check; returns the max_tokens to use (default: all the room)."""
-    if prompt_len > max_model_len or (requested is None and prompt_len >= max_model_len):
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {prompt_len} input tokens. Please reduce the length of the input "
-            f"messages.", "messages")
-    if requested is None:
-        return max_model_len - prompt_len
-    if requested < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {requested}.", "max_tokens")
-    if prompt_len + requested > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, "
-            f"{requested} in the completion). Please reduce the length of the messages or "
-            f"completion.", "max_tokens")
-    return requested
+    """vLLM's context-length check (`sous.engine.validation`, the same rule the engine
+    applies); returns the max_tokens to use (default: all the room). 400 otherwise."""
+    try:
+        return _resolve_max_tokens(prompt_len, requested, max_model_len)
+    except RequestValidationError as e:
+        raise APIError(str(e), 400, e.param) from None
 
 
 def make_sampling_params(**kwargs: Any) -> SamplingParams:
@@ -290,11 +300,16 @@ async def respond(request: Request, stream: EngineStream, run: Any, want_stream:
 
 
 def engine_error(e: BaseException) -> APIError:
-    """Map an engine exception to an API error: ValueError -> 400, anything else -> 500."""
+    """Map an engine exception to an API error: ValueError -> 400, EngineDeadError -> 503,
+    anything else -> 500."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, RequestValidationError):
+        return APIError(str(e), 400, e.param)
     if isinstance(e, ValueError):
         return bad_request(str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 503)
     logger.error("Engine error", exc_info=e)
     return APIError(f"Internal server error: {type(e).__name__}: {e}", 500)
 

@@ -34,7 +34,7 @@ from sous.server.serving_common import (
     respond,
     usage_dict,
 )
-from sous.server.structured_request import build_structured_outputs
+from sous.server.structured_request import structured_outputs_for
 
 
 @dataclass
@@ -60,7 +60,7 @@ class CompletionServing:
         req = parse_request(CompletionRequest, await request.body())
         self.ctx.check_model(req.model)
         req.check()
-        structured = build_structured_outputs(req)
+        structured = await structured_outputs_for(self.ctx.engine, req)
         prompts = self._prompts(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = []
@@ -88,8 +88,10 @@ class CompletionServing:
         else:
             items = list(p)
         out: list[tuple[str | None, list[int]]] = []
+        self.ctx.check_num_seqs(req.n, len(items))
         for item in items:
             if isinstance(item, str):
+                self.ctx.check_prompt_text(item, req.max_tokens)
                 ids = list(tok.encode(item, add_special_tokens=req.add_special_tokens))
                 out.append((item, ids))
             else:

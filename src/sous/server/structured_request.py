@@ -13,11 +13,16 @@ Sources, in increasing precedence:
   the output back into `tool_calls` is `sous.server.tool_parsers.forced`.
 
 Every resulting constraint is parsed by xgrammar here, so an invalid schema, regex or grammar
-is a 400 before the request reaches the engine.
+is a 400 before the request reaches the engine. `structured_outputs_for` also awaits the
+engine's compile of it (against the model's vocabulary, on the structured-output manager's
+worker thread, cached and shared with the request once it is added), so a constraint that
+parses but cannot compile (e.g. a grammar no token can start) is a 400 too, before any
+streaming starts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -71,7 +76,30 @@ def build_structured_outputs(req: Any, tool_schema: dict[str, Any] | None = None
                              ) -> StructuredOutputsParams | None:
     """The request's structured-output constraint (None: unconstrained). `req` is a
     completion or chat request; `tool_schema` (from `tool_choice_schema`) overrides the rest.
-    Raises a 400 APIError for conflicting, malformed or uncompilable constraints."""
+    Raises a 400 APIError for conflicting or malformed constraints."""
+    return _build(req, tool_schema)[0]
+
+
+async def structured_outputs_for(engine: Any, req: Any,
+                                 tool_schema: dict[str, Any] | None = None,
+                                 ) -> StructuredOutputsParams | None:
+    """`build_structured_outputs`, then wait until `engine` (an AsyncLLM; anything without a
+    structured-output manager skips this) has compiled the constraint. Raises a 400 APIError
+    naming the problem when it cannot compile."""
+    params, param = _build(req, tool_schema)
+    manager = getattr(getattr(engine, "core", None), "structured_output_manager", None)
+    if params is None or manager is None:
+        return params
+    try:
+        await asyncio.wrap_future(manager.compile_future(params))
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+    return params
+
+
+def _build(req: Any, tool_schema: dict[str, Any] | None,
+           ) -> tuple[StructuredOutputsParams | None, str]:
+    """The constraint and the request field it came from (what a 400 names)."""
     fields, param = _base_fields(req)
     if tool_schema is not None:
         fields = {k: v for k, v in fields.items() if k not in _CONSTRAINTS}
@@ -87,7 +115,7 @@ def build_structured_outputs(req: Any, tool_schema: dict[str, Any] | None = None
             fields.update(rf)
             param = "response_format"
     if not fields:
-        return None
+        return None, param
     try:
         params = StructuredOutputsParams(**fields)
         validate(params)
@@ -95,7 +123,7 @@ def build_structured_outputs(req: Any, tool_schema: dict[str, Any] | None = None
         raise bad_request(f"Invalid {param}: {e}", param) from None
     except ValueError as e:
         raise bad_request(str(e), param) from None
-    return params
+    return params, param
 
 
 def _tool_function(tool: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -73,7 +73,10 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Hands out blocks, takes them back, and indexes full blocks by hash.
 
-    `on_evict(hash)` is called when a cached block loses its hash (KV events hook in there).
+    Several blocks can hold the same hash (requests that computed the same prefix before
+    either was cached): every holder is indexed, as in vLLM, so the prefix stays reusable
+    while any of them lives. `on_evict(hash)` is called when a hash loses its last holder
+    (KV events hook in there), matching `cache_full_block` returning True for its first.
     """
 
     def __init__(
@@ -88,7 +91,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.cached_blocks: dict[bytes, dict[int, KVCacheBlock]] = {}
+        """Block hash -> its holders by block id (never empty), oldest first."""
         self.on_evict = on_evict
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
@@ -103,7 +107,9 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / usable
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
+        """A block holding `block_hash` (the oldest holder), or None."""
+        holders = self.cached_blocks.get(block_hash)
+        return next(iter(holders.values())) if holders else None
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Pop `n` blocks from the free head, evicting their cached hashes; ref_cnt becomes 1."""
@@ -135,24 +141,27 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
-        """Index a newly filled block. Returns False when another block already holds the hash
-        (the duplicate stays uncached and is simply freed later)."""
+        """Index a newly filled block under `block_hash`, also when other blocks already hold
+        it. Returns True when the hash had no holder before (a new prefix: BlockStored)."""
         if not self.enable_caching or block.block_hash is not None:
             return False
-        if block_hash in self.cached_blocks:
-            return False
         block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
-        return True
+        holders = self.cached_blocks.setdefault(block_hash, {})
+        holders[block.block_id] = block
+        return len(holders) == 1
 
     def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is None:
+        """Drop `block` from the index; `on_evict` runs when its hash has no holder left."""
+        block_hash = block.block_hash
+        if block_hash is None:
             return
-        if self.cached_blocks.get(block.block_hash) is block:
-            del self.cached_blocks[block.block_hash]
-            if self.on_evict is not None:
-                self.on_evict(block.block_hash)
         block.block_hash = None
+        holders = self.cached_blocks.get(block_hash)
+        if holders is None or holders.pop(block.block_id, None) is None or holders:
+            return
+        del self.cached_blocks[block_hash]
+        if self.on_evict is not None:
+            self.on_evict(block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Allowed only when no request holds blocks."""

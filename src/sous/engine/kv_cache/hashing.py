@@ -43,15 +43,21 @@ def get_hash_fn(name: str) -> HashFn:
 
 
 def none_hash(hash_fn: HashFn) -> bytes:
-    """Root of every chain. Processes that must agree need the same PYTHONHASHSEED."""
+    """Root of every chain: the hash of PYTHONHASHSEED, else random per process. Processes
+    that must agree need the same PYTHONHASHSEED; whoever publishes hashes to another
+    process warns when it is unset (`warn_if_hashes_unshared`)."""
     seed = os.environ.get("PYTHONHASHSEED")
     if seed is None:
-        logger.warning(
-            "PYTHONHASHSEED is not set: prefix-cache block hashes are random per process, so "
-            "other processes (routers, KV stores, P/D peers) cannot match them."
-        )
         return os.urandom(32)
     return hash_fn(seed)
+
+
+def warn_if_hashes_unshared(feature: str) -> None:
+    """One warning line when `feature` sends block hashes to other processes but
+    PYTHONHASHSEED is unset (so they cannot match them)."""
+    if os.environ.get("PYTHONHASHSEED") is None:
+        logger.warning("PYTHONHASHSEED is not set: %s carry block hashes that no other "
+                       "process can match; set the same PYTHONHASHSEED everywhere.", feature)
 
 
 def hash_block_tokens(

@@ -1,9 +1,10 @@
 """KVCacheManager: which blocks each request holds, prefix-cache lookups and allocation.
 
-Contract with the scheduler: `get_computed_blocks` is side-effect free (but for hit counters);
-`allocate_slots` either reserves everything asked for (touching hit blocks, popping new ones,
-caching newly full blocks, queueing a sub-block copy) or changes nothing and returns None;
-`commit` runs after each forward pass; `free` releases a request's blocks tail-first.
+Contract with the scheduler: `get_computed_blocks` is side-effect free (it only extends the
+request's block hashes); `allocate_slots` either reserves everything asked for (touching hit
+blocks, popping new ones, caching newly full blocks, queueing a sub-block copy) or changes
+nothing and returns None; `record_prefix_cache_stats` counts a lookup once its request is
+admitted; `commit` runs after each forward pass; `free` releases a request's blocks tail-first.
 """
 
 from __future__ import annotations
@@ -28,10 +29,29 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class PrefixCacheStats:
+    """Prefix-cache lookups of admitted requests, counted once per admission (vLLM's
+    semantics). Re-admissions after a preemption are counted apart, as in vLLM, so that
+    recomputing a preempted request's own blocks does not inflate the hit rate."""
+
+    requests: int = 0
+    """Admissions of requests never preempted."""
     queries: int = 0
-    """Prompt tokens looked up."""
+    """Tokens looked up (the whole prompt, output so far included) by those admissions."""
     hits: int = 0
-    """Prompt tokens found."""
+    """Tokens found in the cache by those admissions."""
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
 
 
 @dataclass
@@ -121,10 +141,15 @@ class KVCacheManager:
             computed.sub_block = longest_match(self.sub_index, request.sub_block_hashes,
                                                len(hits) * per_block,
                                                min(per_block - 1, room), sub)
-        num_tokens = computed.num_tokens(self.block_size)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_tokens
-        return computed, num_tokens
+        return computed, computed.num_tokens(self.block_size)
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count the lookup of a request just admitted (its `allocate_slots` succeeded) that
+        found `num_hits` tokens. The scheduler calls it once per admission: a request that
+        waits for blocks looks up again each step but is counted only when it gets them."""
+        if self.enable_caching:
+            self.stats.record(request.num_tokens, num_hits,
+                              preempted=request.num_preemptions > 0)
 
     def allocate_slots(
         self,
@@ -251,6 +276,15 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.num_indexed_sub_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+
+    def discard_unwritten(self, request: Request, num_written_tokens: int) -> None:
+        """Un-index `request`'s blocks past its first `num_written_tokens` tokens (indexed at
+        allocation, but their KV was never written: its step failed), so that no later
+        request gets a prefix-cache hit on them. Call before `free`."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for block in blocks[num_written_tokens // self.block_size:]:
+            if block.ref_cnt == 1:  # shared blocks were written by someone else
+                self.pool._evict(block)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -40,17 +40,7 @@ class KVCacheSpec:
             cache[:, dst, :num_tokens] = cache[:, src, :num_tokens]
 
 
-_LAZY_ZERO_BYTES = 64 << 20
-"""Above glibc's largest mmap threshold (32 MiB) a fresh CPU allocation is always a new
-anonymous mapping, whose pages the kernel zeroes on first touch: `torch.empty` is then as
-zeroed as `torch.zeros` but commits memory only as blocks are used."""
-
-
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type == "cpu" and nbytes >= _LAZY_ZERO_BYTES:
-        return torch.empty(shape, dtype=dtype, device=device)
+    """A zero-filled cache tensor. On CPU the fill touches every page, so the memory is
+    committed at start (the KV budget is held, not promised)."""
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -55,7 +55,8 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 def env_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """`VLLM_RBLN_SUB_BLOCK_CACHE`: on unless 0 / false / no / off (vllm-rbln's default is
-    on); any other value is a ValueError naming the variable."""
+    on); any other value is a ValueError naming the variable. Read once, when the engine's
+    configuration is parsed (`sous.config.engine_args`): the engine reads `CacheConfig`."""
     raw = environ.get(ENV_VAR, "1").strip().lower()
     if raw not in _TRUE + _FALSE:
         raise ValueError(f"{ENV_VAR}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
@@ -63,18 +64,21 @@ def env_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def resolve_sub_block_size(
-    block_size: int, max_num_batched_tokens: int, enable_caching: bool
+    block_size: int, max_num_batched_tokens: int, enable_caching: bool,
+    enable_sub_block_cache: bool = True,
 ) -> int | None:
     """The sub-block size when sub-block caching applies, else None; logs the mode either way.
 
-    Applies when prefix caching is on, `VLLM_RBLN_SUB_BLOCK_CACHE` is not 0 and the block size
-    is a larger multiple of `--max-num-batched-tokens` (the sub-block size)."""
+    Applies when prefix caching is on, sub-block caching is on (`CacheConfig.
+    enable_sub_block_cache`, which `VLLM_RBLN_SUB_BLOCK_CACHE` sets) and the block size is a
+    larger multiple of `--max-num-batched-tokens` (the sub-block size). Reads no environment."""
     if not enable_caching:
         logger.info("Prefix caching: off")
         return None
     sub = max_num_batched_tokens
-    if not env_enabled():
-        logger.info("Prefix caching: full blocks of %d tokens (%s=0)", block_size, ENV_VAR)
+    if not enable_sub_block_cache:
+        logger.info("Prefix caching: full blocks of %d tokens (sub-block caching is off: "
+                    "%s=0 or enable_sub_block_cache=False)", block_size, ENV_VAR)
         return None
     if block_size <= sub or block_size % sub:
         logger.info(

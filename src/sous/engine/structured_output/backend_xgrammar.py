@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from sous.engine.structured_output.closing import Closer
 from sous.engine.structured_output.params import (
     StructuredOutputKind,
     StructuredOutputsParams,
@@ -27,6 +28,11 @@ logger = logging.getLogger(__name__)
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 Key = tuple[str, str, bool]
+
+MAX_WHITESPACE_CNT = 16
+"""Most whitespace characters allowed in one gap between JSON tokens (when free whitespace is
+allowed): enough for pretty-printed JSON a few levels deep, while a small model at a high
+temperature can no longer spend its whole `max_tokens` on newlines inside one gap."""
 
 
 def _clean(err: BaseException) -> str:
@@ -142,11 +148,30 @@ class XgrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self.closer = Closer(tokenizer, info, self.stop_token_ids[0]) \
+            if self.stop_token_ids else None
 
     def compile(self, key: Key) -> xgr.CompiledGrammar:
+        """Compile against the vocabulary. Raises ValueError naming the problem when xgrammar
+        fails or when no token can start the output (the grammar accepts nothing)."""
         kind, spec, any_whitespace = key
+        try:
+            compiled = self._compile(kind, spec, any_whitespace)
+        except RuntimeError as e:
+            raise ValueError(f"Failed to compile the grammar: {_clean(e)}") from None
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
+        bitmask = self.allocate_bitmask(1)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise ValueError("Failed to compile the grammar: it accepts no output (no token of "
+                             "the model's vocabulary can start it, and it cannot be empty).")
+        return compiled
+
+    def _compile(self, kind: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:
         if kind in (StructuredOutputKind.JSON.value, StructuredOutputKind.JSON_OBJECT.value):
-            return self.compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
+            return self.compiler.compile_json_schema(
+                spec, any_whitespace=any_whitespace,
+                max_whitespace_cnt=MAX_WHITESPACE_CNT if any_whitespace else None)
         if kind == StructuredOutputKind.REGEX.value:
             return self.compiler.compile_regex(spec)
         if grammar_is_likely_lark(spec):

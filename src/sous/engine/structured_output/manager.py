@@ -7,17 +7,26 @@ grammar is compiled, creating its matcher; the rest of the batch runs meanwhile.
 scheduling, `grammar_output` fills one bitmask row per structured request that samples this
 step; after the step, `advance` feeds the accepted tokens to each matcher.
 
+Budget: a JSON-constrained request finishes its document within `max_tokens` when it can
+(see `closing.py`): near the end of the budget `grammar_output` forces a completion.
+
+Configuration (`--structured-outputs-config`): `disable_any_whitespace` and
+`disable_additional_properties` turn the request options of the same names on for every
+request; `reasoning_parser` sets the reasoner, `enable_in_reasoning` its mode.
+
 Reasoning: with a reasoner set (`set_reasoner`) and `enable_in_reasoning` false, a request is
 constrained only once its reasoning has ended (`is_reasoning_end(prompt)` at the start, then
 `is_reasoning_end(all_token_ids)` after each step; the step that ends reasoning does not
 advance the matcher). Without a reasoner, output is constrained from the first token.
 
-Threading: every method except `validate` is called on the engine thread.
+Threading: every method except `validate` and `compile_future` (any thread) is called on the
+engine thread.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict
@@ -26,10 +35,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from sous.config.structured_outputs import StructuredOutputsConfig
 from sous.engine.request import Request, RequestStatus
 from sous.engine.structured_output.backend_xgrammar import Key, XgrammarBackend, validate
 from sous.engine.structured_output.bitmask import GrammarOutput
-from sous.engine.structured_output.params import StructuredOutputsParams
+from sous.engine.structured_output.closing import CLOSING_MARGIN, force_row, next_check
+from sous.engine.structured_output.params import StructuredOutputKind, StructuredOutputsParams
 from sous.engine.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -38,6 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 256
+_CLOSING_KINDS = (StructuredOutputKind.JSON.value, StructuredOutputKind.JSON_OBJECT.value)
 
 
 class ReasoningEndDetector(Protocol):
@@ -48,16 +60,21 @@ class ReasoningEndDetector(Protocol):
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_num_seqs: int, compile_threads: int = 2) -> None:
+                 max_num_seqs: int, compile_threads: int = 2,
+                 config: StructuredOutputsConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.max_num_seqs = max_num_seqs
         self.compile_threads = compile_threads
+        self.config = config or StructuredOutputsConfig()
         self.reasoner: ReasoningEndDetector | None = None
-        self.enable_in_reasoning = False
+        self.enable_in_reasoning = self.config.enable_in_reasoning
+        if self.config.reasoning_parser:
+            self.reasoner = _reasoner(self.config.reasoning_parser, tokenizer)
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
+        self._compiled_lock = threading.Lock()
         self._executor: cf.ThreadPoolExecutor | None = None
         self._compiled: OrderedDict[Key, cf.Future] = OrderedDict()
         self._validated: OrderedDict[Key, None] = OrderedDict()
@@ -66,10 +83,12 @@ class StructuredOutputManager:
 
     # ---- hooks -------------------------------------------------------------------------------
     def set_reasoner(self, reasoner: ReasoningEndDetector | None,
-                     enable_in_reasoning: bool = False) -> None:
-        """Constrain only after reasoning ends (unless `enable_in_reasoning`)."""
+                     enable_in_reasoning: bool | None = None) -> None:
+        """Constrain only after reasoning ends (unless `enable_in_reasoning`; None keeps the
+        configured `enable_in_reasoning`)."""
         self.reasoner = reasoner
-        self.enable_in_reasoning = enable_in_reasoning
+        if enable_in_reasoning is not None:
+            self.enable_in_reasoning = enable_in_reasoning
 
     @staticmethod
     def mark_reasoning_ended(request: Request) -> None:
@@ -80,9 +99,19 @@ class StructuredOutputManager:
             so.reasoning_ended = True
 
     # ---- requests ----------------------------------------------------------------------------
+    def effective(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """`params` with the configured defaults applied (a copy when they change it)."""
+        ws = self.config.disable_any_whitespace and not params.disable_any_whitespace
+        ap = self.config.disable_additional_properties and not params.disable_additional_properties
+        if not (ws or ap):
+            return params
+        return dataclasses.replace(
+            params, disable_any_whitespace=params.disable_any_whitespace or ws,
+            disable_additional_properties=params.disable_additional_properties or ap)
+
     def validate(self, params: StructuredOutputsParams) -> Key:
         """Parse the constraint (no compile); ValueError if invalid. Thread-safe."""
-        key = params.key()
+        key = self.effective(params).key()
         if key in self._validated:
             return key
         validate(params)
@@ -97,22 +126,34 @@ class StructuredOutputManager:
         if params is None:
             return
         key = self.validate(params)
-        request.structured_output_request = StructuredOutputRequest(params, key, self._submit(key))
+        so = StructuredOutputRequest(self.effective(params), key, self._submit(key))
+        sp = request.sampling_params
+        so.closes = key[0] in _CLOSING_KINDS and sp.min_tokens == 0 and not sp.ignore_eos
+        request.structured_output_request = so
         request.status = RequestStatus.WAITING_FOR_FSM
         self._pending[request.request_id] = request
 
+    def compile_future(self, params: StructuredOutputsParams) -> cf.Future:
+        """Validate `params` (ValueError) and start (or share) its compile: the future resolves
+        to the compiled grammar or raises ValueError naming the problem. Thread-safe: the
+        server awaits it to answer a 400 before generating; `init_request` shares it."""
+        return self._submit(self.validate(params))
+
     def _submit(self, key: Key) -> cf.Future:
-        fut = self._compiled.get(key)
-        if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception())):
-            self._compiled.move_to_end(key)
+        """The cached compile of `key`, or a new one. A compile that failed with a ValueError
+        stays cached (it fails the same way again); other failures are retried."""
+        with self._compiled_lock:
+            fut = self._compiled.get(key)
+            if fut is not None and not (fut.done() and _retry(fut)):
+                self._compiled.move_to_end(key)
+                return fut
+            if self._executor is None:
+                self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="sous-grammar")
+            fut = self._executor.submit(self._compile, key)
+            self._compiled[key] = fut
+            while len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
             return fut
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="sous-grammar")
-        fut = self._executor.submit(self._compile, key)
-        self._compiled[key] = fut
-        while len(self._compiled) > _CACHE_SIZE:
-            self._compiled.popitem(last=False)
-        return fut
 
     def _compile(self, key: Key) -> Any:
         return self._get_backend().compile(key)
@@ -156,7 +197,8 @@ class StructuredOutputManager:
             if request.is_finished() or err is not None:
                 del self._pending[rid]
             if err is not None and not request.is_finished():
-                failed.append((request, f"Failed to compile the grammar: {err}"))
+                failed.append((request, str(err) if isinstance(err, ValueError)
+                               else f"Failed to compile the grammar: {err}"))
         return failed
 
     # ---- per step ----------------------------------------------------------------------------
@@ -184,9 +226,37 @@ class StructuredOutputManager:
         bitmask.fill_(-1)
         for i, request in enumerate(rows):
             grammar = request.structured_output_request.grammar
-            if not grammar.is_terminated():
+            if grammar.is_terminated():
+                continue
+            forced = self._closing_token(request)
+            if forced is None:
                 grammar.fill_bitmask(self._bitmask, i)
+            else:
+                force_row(bitmask, i, forced)
         return GrammarOutput([r.request_id for r in rows], bitmask, self.vocab_size)
+
+    def _closing_token(self, request: Request) -> int | None:
+        """The token to force so that `request`'s JSON finishes within its budget, or None
+        (sample freely). Searches for a completion only at the checkpoints `next_check`
+        schedules; forces it once the remaining budget is within CLOSING_MARGIN of it."""
+        so = request.structured_output_request
+        closer = self._get_backend().closer
+        if not so.closes or closer is None:
+            return None
+        if so.closing:
+            return so.closing[0]
+        remaining = request.max_tokens - request.num_output_tokens
+        if so.next_closing_check is not None and remaining > so.next_closing_check:
+            return None
+        plan = closer.completion(so.grammar.matcher)
+        if plan is None or len(plan) > remaining:
+            so.next_closing_check = remaining - 1  # cannot finish now: look again next step
+            return None
+        if remaining <= len(plan) + CLOSING_MARGIN:
+            so.closing = plan
+            return plan[0]
+        so.next_closing_check = next_check(remaining, len(plan))
+        return None
 
     def _should_advance(self, request: Request) -> bool:
         so = request.structured_output_request
@@ -205,7 +275,12 @@ class StructuredOutputManager:
         for request, tokens in produced:
             if not tokens or request.is_finished() or not self._should_advance(request):
                 continue
-            grammar = request.structured_output_request.grammar
+            so = request.structured_output_request
+            grammar = so.grammar
+            if so.closing is not None:
+                forced, so.closing = so.closing[:len(tokens)], so.closing[len(tokens):]
+                if forced != tokens:
+                    so.closing = None
             if not grammar.accept_tokens(tokens):
                 logger.error("Failed to advance FSM for request %s for tokens %s.",
                              request.request_id, tokens)
@@ -215,3 +290,21 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _retry(fut: cf.Future) -> bool:
+    """Whether a finished compile should be submitted again (cancelled, or failed with
+    something other than the ValueError of a grammar that cannot compile)."""
+    if fut.cancelled():
+        return True
+    err = fut.exception()
+    return err is not None and not isinstance(err, ValueError)
+
+
+def _reasoner(name: str, tokenizer: Any) -> ReasoningEndDetector | None:
+    """The reasoning-end detector of the reasoning parser `name` (`reasoning_parser` of
+    `--structured-outputs-config`, for offline `LLM` use; the server sets its own too)."""
+    from sous.server import reasoning
+    from sous.server.reasoning.token_end import reasoning_end_detector
+
+    return reasoning_end_detector(reasoning.get(name), tokenizer)

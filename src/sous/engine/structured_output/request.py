@@ -18,6 +18,11 @@ class StructuredOutputRequest:
     `reasoning_ended`: None until first checked; while False the output is not constrained
     and the matcher is not advanced (set by the manager's reasoner hook, or directly by a
     reasoning integration through `StructuredOutputManager.mark_reasoning_ended`).
+
+    Closing (`closing.py`): `closes` says whether the request finishes its JSON within its
+    budget; `closing` holds the completion tokens being forced (None: sampling freely);
+    `next_closing_check` is the remaining budget at which to search for a completion again
+    (None: at the next constrained step).
     """
 
     params: StructuredOutputsParams
@@ -26,6 +31,9 @@ class StructuredOutputRequest:
     grammar: XgrammarGrammar | None = None
     reasoning_ended: bool | None = None
     failed: bool = field(default=False)
+    closes: bool = False
+    closing: list[int] | None = None
+    next_closing_check: int | None = None
 
     def compile_done(self) -> bool:
         return self.compiled.done()
