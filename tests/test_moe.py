@@ -225,3 +225,40 @@ def test_moe_config_validation() -> None:
         MoEConfig(num_experts=4, top_k=5, hidden_size=8, intermediate_size=8)
     with pytest.raises(ValueError, match="topk_group"):
         MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8, n_group=4)
+
+
+def _no_host_sync(*args: object, **kwargs: object) -> None:
+    raise AssertionError("host sync (.tolist()/.item()) inside the MoE forward")
+
+
+def test_moe_forward_never_syncs_with_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The routed-experts forward reads no tensor value on the host, so it never waits on
+    the device (checked on CPU by making .tolist()/.item() raise while it runs)."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
+    moe = FusedMoE(cfg, torch.float32)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(9, 32)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", _no_host_sync)
+        m.setattr(torch.Tensor, "item", _no_host_sync)
+        out = moe(x)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+def test_grouped_and_per_expert_paths_are_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sous.models.layers import moe as moe_mod
+
+    torch.manual_seed(1)
+    e, h, i, t, k = 8, 32, 16, 37, 3
+    x = torch.randn(t, h)
+    w13, w2 = torch.randn(e, 2 * i, h) / 6, torch.randn(e, h, i) / 4
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[:, 0] = 5  # one busy expert; some experts get no token at all
+    weights = torch.rand(t, k)
+    grouped = fused_experts(x, w13, w2, weights, ids)
+    monkeypatch.setitem(moe_mod._GROUPED_MM_OK, ("cpu", torch.float32), False)
+    loop = fused_experts(x, w13, w2, weights, ids)
+    assert torch.equal(grouped, loop)

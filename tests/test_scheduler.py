@@ -31,10 +31,13 @@ def req(rid: str, n: int, max_tokens: int = 4, first: int = 1, **kw: object) -> 
 
 
 def fake_step(s: Scheduler, token: int = 7) -> dict[str, int]:
+    """One step with a fake worker: every request whose prompt is fully computed samples
+    `token`. Returns the tokens scheduled per request."""
     out = s.schedule()
-    sampled = {x.request.request_id: [token] for x in out.scheduled if x.samples}
+    sampled = {r.request_id: [token] for r in s.scheduled_requests(out)
+               if r.num_computed_tokens >= r.num_tokens}
     s.update_from_output(out, sampled)
-    return {x.request.request_id: x.num_scheduled_tokens for x in out.scheduled}
+    return dict(out.num_scheduled_tokens)
 
 
 def test_chunked_prefill_then_decode() -> None:

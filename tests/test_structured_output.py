@@ -19,7 +19,7 @@ from sous.engine.kv_cache.manager import KVCacheManager
 from sous.engine.outputs import RequestOutput
 from sous.engine.request import Request, RequestStatus
 from sous.engine.sampling_params import RequestOutputKind
-from sous.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from sous.engine.scheduler import Scheduler
 from sous.engine.structured_output import StructuredOutputsParams
 from sous.engine.structured_output.backend_xgrammar import XgrammarBackend, validate
 from sous.engine.structured_output.manager import StructuredOutputManager
@@ -85,8 +85,11 @@ def _request(rid: str, prompt: list[int], so: StructuredOutputsParams | None) ->
     return Request(rid, prompt, params, frozenset({EOS}), 8)
 
 
-def _sampling(*requests: Request) -> SchedulerOutput:
-    return SchedulerOutput([ScheduledRequest(r, r.num_tokens - 1, 1, []) for r in requests])
+def _sampling(*requests: Request) -> list[Request]:
+    """The requests as scheduled for a step that samples each (all tokens computed)."""
+    for r in requests:
+        r.num_computed_tokens = r.num_tokens
+    return list(requests)
 
 
 def _allowed(bitmask: torch.Tensor, row: int) -> set[int]:
@@ -148,14 +151,14 @@ def test_scheduler_skips_requests_waiting_for_their_grammar(
     sched.add_request(blocked)
     sched.add_request(free)
     out = sched.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["free"]
+    assert list(out.num_scheduled_tokens) == ["free"]
     assert list(sched.waiting) == [blocked] and blocked.status == RequestStatus.WAITING_FOR_FSM
     sched.update_from_output(out, {"free": [9]})
     donor = _request("donor", [1], so)
     manager.init_request(donor)
     pending.set_result(donor.structured_output_request.compiled.result(timeout=30))
     out = sched.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["free", "blocked"]
+    assert list(out.num_scheduled_tokens) == ["free", "blocked"]
     assert blocked.status == RequestStatus.RUNNING
     assert blocked.structured_output_request.grammar is not None
 

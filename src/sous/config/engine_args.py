@@ -177,6 +177,9 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
            "the scheduler always chunks prefills"),
     NotYet("model_impl", lambda v: v == "transformers", "--model-impl",
            "running transformers' modelling code is not wired in", "transformers"),
+    NotYet("distributed_executor_backend", lambda v: v in ("ray", "external_launcher"),
+           "--distributed-executor-backend", "sous runs workers in processes (`mp`) or in the "
+           "engine's process (`uni`)", "ray|external_launcher"),
     NotYet("kv_transfer_config", lambda v: v is not None, "--kv-transfer-config",
            "KV connectors (offload, P/D transfer) are planned"),
     NotYet("speculative_config", lambda v: v is not None, "--speculative-config",
@@ -319,8 +322,8 @@ def make_serve_parser(prog: str = "sous serve") -> argparse.ArgumentParser:
         description="Start the OpenAI-compatible server (vLLM's `vllm serve` flags). "
         "Environment: VLLM_API_KEY (api key fallback), VLLM_CPU_KVCACHE_SPACE (KV cache GiB on "
         "CPU, default 4), VLLM_ENGINE_READY_TIMEOUT_S (seconds the engine may take to start), "
-        "VLLM_WORKER_MULTIPROC_METHOD (spawn|fork: how worker processes start; sous runs the "
-        "model in the server process today, so there are none), PYTHONHASHSEED (the root of "
+        "VLLM_WORKER_MULTIPROC_METHOD (spawn|fork: how the worker process of "
+        "--distributed-executor-backend mp starts), PYTHONHASHSEED (the root of "
         "prefix-cache hashes; set it wherever hashes cross processes: KV events), "
         "VLLM_RBLN_SUB_BLOCK_CACHE (0 turns sub-block prefix caching off), "
         "VLLM_SERVER_DEV_MODE (1 exposes POST /reset_prefix_cache, as in vLLM).")
@@ -412,10 +415,6 @@ def _log_notes(values: Mapping[str, Any]) -> None:
     if values.get("trust_remote_code"):
         logger.warning("--trust-remote-code: sous runs only its own model code, never code "
                        "shipped with a checkpoint; the flag has no further effect.")
-    if values.get("worker_multiproc_method"):
-        logger.info("VLLM_WORKER_MULTIPROC_METHOD=%s: sous runs the model in this process "
-                    "today, so there are no worker processes for it to start.",
-                    values["worker_multiproc_method"])
     if values.get("download_dir"):
         logger.warning("--download-dir: sous never downloads models; pass a local folder "
                        "or GGUF file as MODEL.")

@@ -20,6 +20,10 @@ class ParallelConfig:
     """RPC port of the data parallel coordinator."""
     enable_expert_parallel: bool = False
     """Shard MoE experts across data/tensor parallel ranks instead of tensor-splitting them."""
-    worker_multiproc_method: Literal["spawn", "fork"] = "fork"
+    distributed_executor_backend: Literal["uni", "mp", "ray", "external_launcher"] | None = None
+    """Where the model runs: `uni` (default) in the engine's process, `mp` in a worker
+    process (started with VLLM_WORKER_MULTIPROC_METHOD) behind the same interface."""
+    worker_multiproc_method: Literal["spawn", "fork"] = "spawn"
     """How worker processes are started (from the environment variable
-    VLLM_WORKER_MULTIPROC_METHOD, as in vLLM; not a flag)."""
+    VLLM_WORKER_MULTIPROC_METHOD, as in vLLM; not a flag). sous defaults to spawn: a fork
+    after torch has run its OpenMP threads can deadlock the child."""

@@ -136,7 +136,7 @@ class AsyncLLM:
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.max_num_seqs = core.config.scheduler.max_num_seqs
-        self.served_model_name = core.loaded.served_model_name
+        self.served_model_name = core.served_model_name
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()
         """Orders inbox puts against the loop's end: nothing is queued once `_ended`."""

@@ -1,4 +1,5 @@
-"""EngineCore: model + KV cache + scheduler + runner + output processor, stepped by a caller.
+"""EngineCore: scheduler + KV cache manager + output processor, and the model behind an
+executor; stepped by a caller.
 
 Not thread-safe: exactly one thread (the offline `LLM` caller, or `AsyncLLM`'s engine thread)
 calls its methods.
@@ -15,7 +16,7 @@ import torch
 from sous.config.engine import EngineConfig
 from sous.config.errors import ConfigError
 from sous.config.structured_outputs import StructuredOutputsConfig
-from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
+from sous.engine.executor import make_executor
 from sous.engine.kv_cache.hashing import warn_if_hashes_unshared
 from sous.engine.kv_cache.manager import KVCacheManager
 from sous.engine.kv_cache.sizing import (
@@ -39,8 +40,9 @@ from sous.engine.validation import (
     check_token_ids_param,
     resolve_max_tokens,
 )
+from sous.engine.worker import ModelInfo
 from sous.kv_transfer.events import KVEventsConfig, ZmqEventPublisher
-from sous.models.loader import LoadedModel, load_model
+from sous.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +50,6 @@ logger = logging.getLogger(__name__)
 def _wrap_int64(value: int) -> int:
     """`value` wrapped into the int64 range (torch seeds a generator the same either way)."""
     return (value - INT64_MIN) % 2**64 + INT64_MIN if value > INT64_MAX else value
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine.")
-    return torch.device(name)
 
 
 def resolve_max_model_len(requested: int | None, native: int) -> int:
@@ -69,43 +63,39 @@ def resolve_max_model_len(requested: int | None, native: int) -> int:
 
 
 class EngineCore:
+    """The engine core: scheduler, KV cache manager, structured output and output
+    processing here; the model behind an executor (`execute_model(SchedulerOutput)`), in
+    this process or a worker process (`--distributed-executor-backend mp`)."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
         start = time.monotonic()
-        self.loaded = loaded or load_model(config.model, config.load, self.device)
-        self.tokenizer = self.loaded.tokenizer
+        self.executor = make_executor(config, loaded)
+        info = self.executor.load_model()
+        self.model_info = info
+        self.device = torch.device(info.device)
+        self.tokenizer = info.tokenizer
+        self.served_model_name = info.served_model_name
         self.max_model_len = resolve_max_model_len(
-            config.model.max_model_len, self.loaded.max_position_embeddings)
-        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
-        cache = config.cache
-        spec = with_cache_dtype(self.loaded.model.kv_cache_spec(), cache.kv_cache_dtype)
-        if cache.kv_cache_dtype != "auto":
-            n = apply_kv_scales(self.loaded.model, self.loaded.kv_scales)
-            logger.info("KV cache dtype %s: %d per-layer scales from the checkpoint (others 1.0)",
-                        cache.kv_cache_dtype, n)
-        hf = self.loaded.hf_config
-        act = activation_bytes_estimate(hf.hidden_size, hf.vocab_size,
-                                        config.scheduler.max_num_batched_tokens,
-                                        config.scheduler.max_num_seqs)
-        num_blocks = num_kv_blocks(cache, spec, self.device, act)
-        check_max_model_len_fits(num_blocks, cache.block_size, self.max_model_len,
-                                 budget_source(cache, self.device))
-        kv_caches = spec.allocate(num_blocks, cache.block_size, self.device)
+            config.model.max_model_len, info.max_position_embeddings)
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.vocab_size = info.hf_config.vocab_size
+        self.num_blocks = self._size_kv_cache(config, info)
+        self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
+        spec, cache = info.kv_cache_spec, config.cache
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %d B/token) on %s, "
             "from %s; max_model_len %d; engine ready in %.1f s",
-            num_blocks, cache.block_size, (num_blocks - 1) * cache.block_size,
-            num_blocks * spec.page_bytes(cache.block_size) / 2**30, spec.bytes_per_token,
+            self.num_blocks, cache.block_size, (self.num_blocks - 1) * cache.block_size,
+            self.num_blocks * spec.page_bytes(cache.block_size) / 2**30, spec.bytes_per_token,
             self.device, budget_source(cache, self.device), self.max_model_len,
             time.monotonic() - start)
-        self.num_blocks = num_blocks
         self.publisher = self._make_publisher(config)
         sub_block_size = resolve_sub_block_size(cache.block_size,
                                                 config.scheduler.max_num_batched_tokens,
                                                 cache.enable_prefix_caching,
                                                 cache.enable_sub_block_cache)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size,
                                                cache.enable_prefix_caching,
                                                cache.prefix_caching_hash_algo,
                                                enable_kv_events=self.publisher is not None,
@@ -113,13 +103,38 @@ class EngineCore:
         sched_config = replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_config, self.kv_cache_manager)
         self.structured_output_manager = StructuredOutputManager(
-            self.tokenizer, hf.vocab_size, sorted(self.eos_token_ids),
+            self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
             config.scheduler.max_num_seqs,
             config=StructuredOutputsConfig.from_dict(config.structured_outputs_config))
         self.scheduler.gates.append(self.structured_output_manager)
-        self.runner = ModelRunner(self.loaded.model, kv_caches, cache.block_size, self.device,
-                                  seed=config.model.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def _size_kv_cache(self, config: EngineConfig, info: ModelInfo) -> int:
+        """Blocks for the KV budget; ConfigError if one max_model_len sequence cannot fit."""
+        hf, cache = info.hf_config, config.cache
+        act = activation_bytes_estimate(hf.hidden_size, hf.vocab_size,
+                                        config.scheduler.max_num_batched_tokens,
+                                        config.scheduler.max_num_seqs)
+        num_blocks = num_kv_blocks(cache, info.kv_cache_spec, self.device, act)
+        check_max_model_len_fits(num_blocks, cache.block_size, self.max_model_len,
+                                 budget_source(cache, self.device))
+        return num_blocks
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, when the worker runs in this process (for inspection)."""
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise AttributeError("the model runner lives in a worker process")
+        return worker.runner
+
+    @property
+    def loaded(self) -> LoadedModel:
+        """The loaded model, when the worker runs in this process (for inspection)."""
+        worker = getattr(self.executor, "worker", None)
+        if worker is None or worker.loaded is None:
+            raise AttributeError("the model lives in a worker process")
+        return worker.loaded
 
     @staticmethod
     def _make_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
@@ -142,7 +157,7 @@ class EngineCore:
         """Check a request against the model (the rules of `sous.engine.validation`, shared
         with the server); returns the resolved max_tokens. Raises RequestValidationError.
         Caller's thread: the one that steps the engine (it may touch the grammar cache)."""
-        vocab = self.loaded.hf_config.vocab_size
+        vocab = self.vocab_size
         check_prompt_token_ids(prompt_token_ids, vocab)
         check_token_ids_param("stop_token_ids", params.stop_token_ids, vocab)
         if params.logprobs is not None and params.logprobs > vocab:
@@ -187,7 +202,6 @@ class EngineCore:
                         if (r := self.scheduler.requests.get(c)) is not None], log=False)
         child_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        self.runner.remove_requests(child_ids)
         for rid in request_ids:
             self.output_processor.remove(rid)
 
@@ -211,16 +225,17 @@ class EngineCore:
             if so.has_pending():
                 so.wait_pending(timeout=0.05)
             return 0
-        out.grammar = so.grammar_output(out)
-        runner_out = self.runner.execute_model(out)
+        scheduled = self.scheduler.scheduled_requests(out)
+        out.grammar = so.grammar_output(scheduled)
+        runner_out = self.executor.execute_model(out)
         failed = []
-        for s in out.scheduled:
-            if s.request.request_id in runner_out.failed:  # nothing of theirs is kept
-                self.kv_cache_manager.discard_unwritten(s.request, s.num_computed_tokens)
-                failed.append((s.request, runner_out.failed[s.request.request_id]))
-        if failed:
-            out.scheduled = [s for s in out.scheduled
-                             if s.request.request_id not in runner_out.failed]
+        for request in scheduled:
+            error = runner_out.failed.get(request.request_id)
+            if error is not None:  # nothing of theirs is kept
+                n = out.num_scheduled_tokens[request.request_id]
+                self.kv_cache_manager.discard_unwritten(request, request.num_computed_tokens - n)
+                failed.append((request, error))
+                del out.num_scheduled_tokens[request.request_id]
         produced = self.scheduler.update_from_output(out, runner_out.sampled_token_ids)
         rejected = [r for r, _ in so.advance(produced)]
         for request in rejected:
@@ -229,9 +244,6 @@ class EngineCore:
         if stopped:
             self.scheduler.finish_requests([r.request_id for r in stopped],
                                            RequestStatus.FINISHED_STOPPED)
-        done = [r.request_id for r, _ in produced if r.is_finished()]
-        if done:
-            self.runner.remove_requests(done)
         self._fail(failed)
         self._publish_events()
         return out.total_num_scheduled_tokens
@@ -247,7 +259,6 @@ class EngineCore:
         if failed:
             ids = [r.request_id for r, _ in failed]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            self.runner.remove_requests(ids)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -259,5 +270,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
+        self.executor.shutdown()
         if self.publisher is not None:
             self.publisher.close()

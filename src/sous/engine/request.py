@@ -17,12 +17,15 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     WAITING_FOR_FSM = 1
     """Waiting for its structured-output grammar to compile; not schedulable yet."""
-    RUNNING = 2
-    PREEMPTED = 3
+    WAITING_FOR_REMOTE_KVS = 2
+    """Waiting for its KV to arrive from elsewhere (a P/D prefill server, an offload tier);
+    a WaitGate holds it back until then."""
+    RUNNING = 3
+    PREEMPTED = 4
     # Everything from here on is finished.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
 
     @property
     def finished(self) -> bool:

@@ -1,47 +1,66 @@
-"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+"""ModelRunner: applies each SchedulerOutput to its persistent input batch, runs one forward
+pass over the paged KV cache and samples.
 
-Owns the KV cache tensors and the per-request random generators. Reads scheduled requests,
-never mutates them.
+Owns the KV cache tensors, the InputBatch and every request's worker-side state (tokens,
+generator). It appends the tokens it samples to that state itself; the scheduler sends a
+request's token ids only once, with the new request. It never sees a scheduler `Request`.
 
 Fault isolation: one request must not take the step (and the engine loop) down with it.
 Per-request set-up (its seeded generator) is guarded per request; if the batched forward or
 sampling raises, the step's requests are re-run one by one (each writes the same KV slots
-with the same values) and only those that fail on their own are reported in
-`ModelRunnerOutput.failed`. A device fault (a CUDA error: the context is unusable
-afterwards) is the engine's, not a request's: it is re-raised and ends the engine loop.
+with the same values; nothing is appended before a run succeeds) and only those that fail
+on their own are reported in `ModelRunnerOutput.failed`. A device fault (a CUDA error: the
+context is unusable afterwards) is the engine's, not a request's: it is re-raised.
+
+Seams for the features built on it:
+- `SchedulerOutput.scheduled_spec_decode_tokens`: logits at the last 1 + k positions of such
+  a request (`StepInputs.logits_indices`), verified greedily here until a rejection sampler
+  plugs in;
+- `aux_hidden_state_layers`: the model also returns those layers' hidden states (EAGLE-3);
+- `proposer`: after sampling, drafts tokens for the next step;
+- `kv_hooks`: per-layer calls before attention reads a layer's KV and after it writes it
+  (KV connectors load and save there), carried to attention in the metadata.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from sous.engine.attention import AttentionMetadata
+from sous.engine.input_batch import CachedRequestState, InputBatch
+from sous.engine.kv_cache.manager import cdiv
 from sous.engine.outputs import Logprob
 from sous.engine.sampler import SamplingBatch, sample
-from sous.engine.scheduler import ScheduledRequest, SchedulerOutput
-from sous.engine.structured_output.bitmask import GrammarOutput
+from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sous.engine.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    """Requests whose part of the step raised (id -> error): they produced nothing, their
-    new KV slots are not valid, and the caller must finish them (aborted)."""
+class Proposer(Protocol):
+    """Drafts speculative tokens after a step (n-gram, suffix, EAGLE, MTP plug in here)."""
 
-    def merge(self, other: ModelRunnerOutput) -> None:
-        self.sampled_token_ids.update(other.sampled_token_ids)
-        self.logprobs.update(other.logprobs)
-        self.failed.update(other.failed)
+    def propose(self, runner: ModelRunner, sampled: dict[str, list[int]]
+                ) -> dict[str, list[int]]: ...
+
+
+class KVLayerHooks(Protocol):
+    """A KV connector's worker side, called by attention for each layer of a step (the
+    layer is known by its cache tensor, one of the runner's `kv_caches`)."""
+
+    def wait_for_layer_load(self, kv_cache: torch.Tensor) -> None:
+        """Before the layer reads its cache: block until its loaded KV is in place."""
+
+    def save_kv_layer(self, kv_cache: torch.Tensor) -> None:
+        """After the layer wrote the step's new rows: start saving them."""
 
 
 class ModelRunner:
+    """See the module docstring. `max_num_reqs` rows of `max_model_len` tokens each."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -49,149 +68,225 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        max_num_reqs: int = 256,
+        max_model_len: int = 2048,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        max_spec_tokens: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.generators: dict[str, torch.Generator] = {}
+        self.eos_token_ids = sorted(eos_token_ids)
         self.copy_slots = model.kv_cache_spec().copy_slots
+        row_len = max_model_len + max_spec_tokens
+        self.input_batch = InputBatch(max_num_reqs, row_len, cdiv(row_len, block_size))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.proposer: Proposer | None = None
+        self.kv_hooks: KVLayerHooks | None = None
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] = []
+        """The last step's hidden states of `aux_hidden_state_layers` (when set)."""
         torch.manual_seed(seed)
 
-    def remove_requests(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.generators.pop(rid, None)
-
-    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
-        seed = s.request.sampling_params.seed
-        if seed is None or s.request.sampling_params.greedy:
-            return None
-        rid = s.request.request_id
-        if rid not in self.generators:
-            self.generators[rid] = torch.Generator(device=self.device).manual_seed(seed)
-        return self.generators[rid]
-
-    def _set_up(self, scheduled: list[ScheduledRequest], result: ModelRunnerOutput,
-                ) -> list[ScheduledRequest]:
-        """Per-request set-up (seeded generators); a request whose set-up raises is failed
-        and left out of the step. Returns the requests that go ahead."""
-        ready = []
-        for s in scheduled:
+    # ---------------------------------------------------------------- request states
+    def _update_states(self, so: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Apply one SchedulerOutput's diffs to the request states and the input batch. A
+        new request whose set-up fails (e.g. a seed torch cannot take) goes to `failed`."""
+        batch = self.input_batch
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove(rid)
+        for rid in so.preempted_req_ids:
+            batch.remove(rid)
+        for new in so.scheduled_new_reqs:
+            p = new.sampling_params
+            batch.remove(new.req_id)
             try:
-                self._generator(s)
-            except Exception as e:  # e.g. a seed torch cannot take
-                _fail(result, s, e, "set-up")
+                generator = None
+                if p.seed is not None and not p.greedy:
+                    generator = torch.Generator(device=self.device).manual_seed(p.seed)
+            except Exception as e:
+                _fail(result, new.req_id, e, "set-up")
                 continue
-            ready.append(s)
-        return ready
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), p,
+                                       list(new.block_ids), new.num_computed_tokens,
+                                       list(new.output_token_ids), generator)
+            self.requests[new.req_id] = state
+            batch.add(state)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            self._update_cached(rid, cached.resumed_from_preemption[i],
+                                cached.new_block_ids[i], cached.num_computed_tokens[i])
+        batch.condense()
 
-    def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:
-        banned = []
-        for s in rows:
-            r = s.request
-            p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
-                eos = [] if p.ignore_eos else sorted(r.eos_token_ids)
-                banned.append(eos + list(p.stop_token_ids))
-            else:
-                banned.append([])
-        return SamplingBatch(
-            params=[s.request.sampling_params for s in rows],
-            generators=[self._generator(s) for s in rows],
-            prompt_token_ids=[s.request.prompt_token_ids for s in rows],
-            output_token_ids=[s.request.output_token_ids for s in rows],
-            stop_ids_for_min_tokens=banned,
-        )
+    def _update_cached(self, rid: str, resumed: bool, new_block_ids: list[int],
+                       num_computed_tokens: int) -> None:
+        state = self.requests[rid]
+        state.num_computed_tokens = num_computed_tokens
+        if resumed:
+            state.block_ids = list(new_block_ids)
+        else:
+            state.block_ids.extend(new_block_ids)
+        batch = self.input_batch
+        row = batch.req_id_to_index.get(rid)
+        if row is None:
+            batch.add(state)
+            return
+        if resumed:
+            batch.set_block_ids(row, state.block_ids)
+        else:
+            batch.append_block_ids(row, new_block_ids)
+        batch.num_computed_tokens[row] = num_computed_tokens
 
+    # ---------------------------------------------------------------- the step
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; requests that fail on their own are in `failed` (see the module
         docstring). Raises only for faults of the engine, not of one request."""
-        for op in out.kv_cache_copy_ops:
-            self.copy_slots(self.kv_caches, op.src_block_id, op.dst_block_id, op.num_tokens)
         result = ModelRunnerOutput()
-        scheduled = self._set_up(out.scheduled, result)
-        if not scheduled:
+        self._update_states(so, result)
+        for op in so.kv_cache_copy_ops:
+            self.copy_slots(self.kv_caches, op.src_block_id, op.dst_block_id, op.num_tokens)
+        req_ids = [r for r in so.num_scheduled_tokens if r in self.requests]
+        if not req_ids:
             return result
-        states = self._generator_states(scheduled)
+        saved = {r: s.generator.get_state() for r in req_ids
+                 if (s := self.requests[r]).generator is not None}
         try:
-            result.merge(self._execute(scheduled, out.grammar))
+            result.merge(self._execute(req_ids, so))
             return result
         except Exception as e:
             if is_device_fault(e):
                 raise
-            if len(scheduled) == 1:
-                _fail(result, scheduled[0], e, "step")
+            if len(req_ids) == 1:
+                _fail(result, req_ids[0], e, "step")
                 return result
             logger.warning("A step of %d requests failed (%s: %s); re-running them one by one "
-                           "to find the failing request.", len(scheduled), type(e).__name__, e)
-        for rid, state in states.items():  # seeded rows sample again from the same state
-            self.generators[rid].set_state(state)
-        for s in scheduled:
+                           "to find the failing request.", len(req_ids), type(e).__name__, e)
+        for rid, state in saved.items():  # seeded rows sample again from the same state
+            gen = self.requests[rid].generator
+            assert gen is not None
+            gen.set_state(state)
+        for rid in req_ids:
             try:
-                result.merge(self._execute([s], out.grammar))
+                result.merge(self._execute([rid], so))
             except Exception as e:
                 if is_device_fault(e):
                     raise
-                _fail(result, s, e, "step")
+                _fail(result, rid, e, "step")
         return result
 
-    def _generator_states(self, scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
-        """The state of every seeded generator of the step (restored before a re-run)."""
-        return {s.request.request_id: self.generators[s.request.request_id].get_state()
-                for s in scheduled if s.request.request_id in self.generators}
-
-    def _execute(self, scheduled: list[ScheduledRequest],
-                 grammar: GrammarOutput | None) -> ModelRunnerOutput:
-        """One forward pass and sampling over `scheduled`."""
-        input_ids: list[int] = []
-        for s in scheduled:
-            input_ids.extend(s.input_token_ids)
-        meta = AttentionMetadata.build(
-            query_lens=[s.num_scheduled_tokens for s in scheduled],
-            seq_lens=[s.num_computed_tokens + s.num_scheduled_tokens for s in scheduled],
-            block_tables=[s.block_ids for s in scheduled],
-            block_size=self.block_size,
-            device=self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, meta.positions, self.kv_caches, meta)
-        sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
+    def _execute(self, req_ids: list[str], so: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward pass and sampling over `req_ids` (a subset of `so`'s, in order).
+        Request states change only once everything has succeeded."""
+        inputs = build_step_inputs(self.input_batch, req_ids, so.num_scheduled_tokens,
+                                   so.scheduled_spec_decode_tokens)
+        meta = self._attention_metadata(inputs)
+        meta.kv_hooks = self.kv_hooks
+        ids = torch.from_numpy(inputs.token_ids).to(self.device)
+        hidden = self._forward(ids, meta)
         result = ModelRunnerOutput()
-        if not sample_rows:
+        if not len(inputs.logits_indices):
             return result
-        if len(sample_rows) == len(scheduled):
-            last = meta.logits_indices
+        idx = torch.from_numpy(inputs.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        if int(inputs.num_logits.max()) > 1:
+            self._verify_greedy(inputs, logits, result)
         else:
-            last = meta.logits_indices[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden[last])
-        rows = [scheduled[i] for i in sample_rows]
-        if grammar is not None:
-            grammar.apply(logits, [s.request.request_id for s in rows])
-        batch = self._sampling_batch(rows)
-        sampler_out = sample(logits, batch)
-        sampled = sampler_out.sampled.tolist()
-        for s, token in zip(rows, sampled, strict=True):
-            result.sampled_token_ids[s.request.request_id] = [token]
-        if sampler_out.logprobs is not None:
-            self._collect_logprobs(rows, sampled, sampler_out.logprobs, result)
+            self._sample(inputs, logits, so, result)
         return result
 
-    @staticmethod
-    def _collect_logprobs(rows, sampled, logprobs, result: ModelRunnerOutput) -> None:
-        sampled_lp, rank, top_ids, top_lp = (t.tolist() for t in logprobs)
-        for i, s in enumerate(rows):
-            k = s.request.sampling_params.logprobs
-            if k is None:
-                continue
-            entry = {sampled[i]: Logprob(sampled_lp[i], rank[i])}
-            for j in range(k):
-                entry.setdefault(top_ids[i][j], Logprob(top_lp[i][j], j + 1))
-            result.logprobs[s.request.request_id] = [entry]
+    def _forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        positions = meta.positions
+        if not self.aux_hidden_state_layers:
+            return self.model(ids, positions, self.kv_caches, meta)
+        hidden, self.aux_hidden_states = self.model(
+            ids, positions, self.kv_caches, meta,
+            aux_hidden_state_layers=self.aux_hidden_state_layers)
+        return hidden
+
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        tables = [self.input_batch.block_table[r, :n].tolist()
+                  for r, n in zip(inputs.rows, inputs.num_blocks(self.block_size), strict=True)]
+        return AttentionMetadata.build(
+            query_lens=inputs.query_lens.tolist(), seq_lens=inputs.seq_lens.tolist(),
+            block_tables=tables, block_size=self.block_size, device=self.device)
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, so: SchedulerOutput,
+                result: ModelRunnerOutput) -> None:
+        sampling = inputs.sampling_positions()
+        states = [self.requests[inputs.req_ids[i]] for i in sampling]
+        if so.grammar is not None:
+            so.grammar.apply(logits, [s.req_id for s in states])
+        out = sample(logits, self._sampling_batch(states))
+        sampled = out.sampled.tolist()
+        for i, state, token in zip(sampling, states, sampled, strict=True):
+            self._append(int(inputs.rows[i]), state, [token])
+            result.sampled_token_ids[state.req_id] = [token]
+        if out.logprobs is not None:
+            _collect_logprobs(states, sampled, out.logprobs, result)
+
+    def _verify_greedy(self, inputs: StepInputs, logits: torch.Tensor,
+                       result: ModelRunnerOutput) -> None:
+        """Greedy check of draft tokens: accept drafts while each equals the argmax before
+        it, then add the argmax after the last accepted one (the bonus or the correction)."""
+        argmax = logits.argmax(dim=-1).tolist()
+        start = 0
+        for i in inputs.sampling_positions():
+            n = int(inputs.num_logits[i])
+            state = self.requests[inputs.req_ids[i]]
+            if not state.sampling_params.greedy:
+                raise NotImplementedError("draft tokens are verified for greedy requests only")
+            row = int(inputs.rows[i])
+            known = int(self.input_batch.num_tokens[row])
+            drafts = self.input_batch.token_ids[row, known:known + n - 1].tolist()
+            out: list[int] = []
+            for j in range(n):
+                out.append(argmax[start + j])
+                if j == n - 1 or drafts[j] != out[-1]:
+                    break
+            self._append(row, state, out)
+            result.sampled_token_ids[state.req_id] = out
+            start += n
+
+    def _append(self, row: int, state: CachedRequestState, tokens: list[int]) -> None:
+        for token in tokens:
+            state.output_token_ids.append(token)
+            self.input_batch.append_token(row, token)
+
+    def _sampling_batch(self, states: list[CachedRequestState]) -> SamplingBatch:
+        banned = []
+        for s in states:
+            p = s.sampling_params
+            if len(s.output_token_ids) < p.min_tokens:
+                eos = [] if p.ignore_eos else self.eos_token_ids
+                banned.append(list(eos) + list(p.stop_token_ids))
+            else:
+                banned.append([])
+        return SamplingBatch(
+            params=[s.sampling_params for s in states],
+            generators=[s.generator for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            stop_ids_for_min_tokens=banned,
+        )
 
 
-def _fail(result: ModelRunnerOutput, s: ScheduledRequest, e: Exception, where: str) -> None:
-    rid = s.request.request_id
+def _collect_logprobs(states: list[CachedRequestState], sampled: list[int],
+                      logprobs: tuple[torch.Tensor, ...], result: ModelRunnerOutput) -> None:
+    sampled_lp, rank, top_ids, top_lp = (t.tolist() for t in logprobs)
+    for i, s in enumerate(states):
+        k = s.sampling_params.logprobs
+        if k is None:
+            continue
+        entry = {sampled[i]: Logprob(sampled_lp[i], rank[i])}
+        for j in range(k):
+            entry.setdefault(top_ids[i][j], Logprob(top_lp[i][j], j + 1))
+        result.logprobs[s.req_id] = [entry]
+
+
+def _fail(result: ModelRunnerOutput, rid: str, e: Exception, where: str) -> None:
     logger.error("Request %s failed in its %s: %s: %s", rid, where, type(e).__name__, e,
                  exc_info=e)
     result.failed[rid] = f"{type(e).__name__}: {e}"

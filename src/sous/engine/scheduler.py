@@ -5,61 +5,23 @@ most `max_num_batched_tokens` tokens so requests catch up. Chunked prefill, pref
 and preemption are the same arithmetic. Running requests go first, in admission order; when
 blocks run out the last-admitted running request is preempted (its KV freed, recomputed later).
 Waiting requests are admitted only in steps without preemption.
+
+The scheduler owns the Request objects; what it hands the worker is a `SchedulerOutput` of
+plain data: a request in full the first time it is scheduled, then per-step diffs (new
+blocks, progress, resumption after preemption), and the ids finished since the last step.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from sous.config.scheduler import SchedulerConfig
 from sous.engine.kv_cache.manager import KVCacheManager
-from sous.engine.kv_cache.sub_block import KVCacheCopyOp
 from sous.engine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from sous.engine.structured_output.bitmask import GrammarOutput
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step. `request` is read-only for the runner."""
-
-    request: Request
-    num_computed_tokens: int
-    """Tokens already in the KV cache before this step."""
-    num_scheduled_tokens: int
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so it yields a new token."""
-        return self.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
-
-    @property
-    def input_token_ids(self) -> list[int]:
-        start = self.num_computed_tokens
-        return self.request.all_token_ids[start:start + self.num_scheduled_tokens]
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_req_ids: list[str] = field(default_factory=list)
-    kv_cache_copy_ops: list[KVCacheCopyOp] = field(default_factory=list)
-    """Sub-block prefix-cache hits: KV slots to copy before the forward pass."""
-    grammar: GrammarOutput | None = None
-    """Token bitmask of the structured-output rows (set by the engine after scheduling)."""
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from sous.engine.scheduler_output import NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -79,6 +41,15 @@ class WaitGate(Protocol):
     def ready(self, request: Request) -> bool: ...
 
 
+class FinishHook(Protocol):
+    """Told of every finished request before its blocks are freed (a KV connector's
+    scheduler side). Returning True keeps the blocks: the hook must later call
+    `Scheduler.free_delayed(request_id)` (e.g. once a remote reader has them, or a lease
+    expired)."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool: ...
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -89,6 +60,15 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.gates: list[WaitGate] = []
+        self._num_sent_blocks: dict[str, int] = {}
+        """Per request the worker holds: how many of its block ids it has been sent."""
+        self._resumed: set[str] = set()
+        """Preempted requests the worker holds: their next blocks replace the old ones."""
+        self._finished_req_ids: set[str] = set()
+        """Finished since the last `schedule()`: the worker forgets them."""
+        self.finish_hooks: list[FinishHook] = []
+        self.delayed: dict[str, Request] = {}
+        """Finished requests whose blocks a FinishHook keeps (see `free_delayed`)."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -100,15 +80,43 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """Hand out this step's token budget; advances each scheduled request's
+        `num_computed_tokens` by its share."""
         out = SchedulerOutput()
+        scheduled: list[tuple[Request, int]] = []
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(scheduled, out, budget)
         if not out.preempted_req_ids:
-            self._schedule_waiting(out, budget)
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_scheduled_tokens
+            self._schedule_waiting(scheduled, budget)
+        for request, n in scheduled:
+            self._describe(out, request, n)
+            request.num_computed_tokens += n
         out.kv_cache_copy_ops = self.kv.take_copy_ops()
+        if scheduled:  # an empty step reaches no worker: the ids wait for the next one
+            out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         return out
+
+    def _describe(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        """Add `request`'s share of the step to `out`: in full if the worker does not hold
+        it, else only what changed since it was last scheduled."""
+        rid = request.request_id
+        block_ids = self.kv.get_block_ids(rid)
+        sent = self._num_sent_blocks.get(rid)
+        if sent is None:
+            out.scheduled_new_reqs.append(NewRequestData(
+                rid, list(request.prompt_token_ids), list(request.output_token_ids),
+                request.sampling_params, block_ids, request.num_computed_tokens))
+        else:
+            resumed = rid in self._resumed
+            self._resumed.discard(rid)
+            out.scheduled_cached_reqs.add(rid, resumed, block_ids if resumed else block_ids[sent:],
+                                          request.num_computed_tokens)
+        self._num_sent_blocks[rid] = len(block_ids)
+        out.num_scheduled_tokens[rid] = n
+
+    def scheduled_requests(self, out: SchedulerOutput) -> list[Request]:
+        """The Request objects of `out`'s scheduled requests, in its order."""
+        return [self.requests[rid] for rid in out.num_scheduled_tokens if rid in self.requests]
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int) -> int:
         """Tokens to schedule for `request` once `num_computed_tokens` are in the KV cache:
@@ -120,7 +128,8 @@ class Scheduler:
             n = threshold
         return min(n, budget)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput,
+                          budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -134,12 +143,12 @@ class Scheduler:
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is request:
                     return budget
-            out.scheduled.append(self._scheduled(request, n))
+            scheduled.append((request, n))
             budget -= n
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
         skipped: deque[Request] = deque()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -157,16 +166,14 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
-            out.scheduled.append(self._scheduled(request, n))
+            scheduled.append((request, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(request, request.num_computed_tokens, n,
-                                self.kv.get_block_ids(request.request_id))
-
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        if request.request_id in self._num_sent_blocks:
+            self._resumed.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -178,12 +185,11 @@ class Scheduler:
     ) -> list[tuple[Request, list[int]]]:
         """Append sampled tokens, apply token-level stop conditions, free finished requests.
         Returns (request, new token ids) for every request that produced tokens."""
-        self.kv.commit([(s.request, s.num_computed_tokens + s.num_scheduled_tokens)
-                        for s in out.scheduled])
+        requests = self.scheduled_requests(out)
+        self.kv.commit([(r, r.num_computed_tokens) for r in requests])
         produced: list[tuple[Request, list[int]]] = []
         finished: list[Request] = []
-        for s in out.scheduled:
-            request = s.request
+        for request in requests:
             tokens = sampled_token_ids.get(request.request_id)
             if not tokens or request.is_finished():
                 continue
@@ -219,8 +225,21 @@ class Scheduler:
         if any(r.request_id in gone for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
         for request in finished:
-            self.kv.free(request)
+            block_ids = self.kv.get_block_ids(request.request_id)
+            if any([h.request_finished(request, block_ids) for h in self.finish_hooks]):
+                self.delayed[request.request_id] = request
+            else:
+                self.kv.free(request)
             del self.requests[request.request_id]
+            if self._num_sent_blocks.pop(request.request_id, None) is not None:
+                self._finished_req_ids.add(request.request_id)
+            self._resumed.discard(request.request_id)
+
+    def free_delayed(self, request_id: str) -> None:
+        """Free the blocks a FinishHook kept for a finished request (unknown ids: no-op)."""
+        request = self.delayed.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

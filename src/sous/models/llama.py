@@ -179,15 +179,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+        aux_hidden_state_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """With `aux_hidden_state_layers`, also returns the residual stream entering each of
+        those layers (`[T, H]` each, in that order), as EAGLE-3 drafts read it."""
         m = self.model
         h = F.embedding(input_ids, m.embed_tokens.weight)
         freqs_cis = m.rotary.lookup_complex(positions)
         residual = None
-        for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
+        aux: list[torch.Tensor] = []
+        for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches, strict=True)):
+            if i in aux_hidden_state_layers:
+                aux.append(h if residual is None else h + residual)
             h, residual = layer.forward(h, residual, freqs_cis, kv_cache, attn_metadata)
         h, _ = m.norm.forward(h, residual)
-        return h
+        return (h, aux) if aux_hidden_state_layers else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.forward(hidden).float()

@@ -31,7 +31,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,9 +42,6 @@ from sous.engine.structured_output.bitmask import GrammarOutput
 from sous.engine.structured_output.closing import CLOSING_MARGIN, force_row, next_check
 from sous.engine.structured_output.params import StructuredOutputKind, StructuredOutputsParams
 from sous.engine.structured_output.request import StructuredOutputRequest
-
-if TYPE_CHECKING:
-    from sous.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -213,10 +210,12 @@ class StructuredOutputManager:
             return so.reasoning_ended
         return True
 
-    def grammar_output(self, out: SchedulerOutput) -> GrammarOutput | None:
-        """Bitmask rows for the scheduled requests that sample a constrained token this step;
-        None when there are none. The tensor is reused: valid until the next call."""
-        rows = [s.request for s in out.scheduled if s.samples and self._constrained(s.request)]
+    def grammar_output(self, scheduled: list[Request]) -> GrammarOutput | None:
+        """Bitmask rows for the scheduled requests (their `num_computed_tokens` already
+        counting this step) that sample a constrained token this step; None when there are
+        none. The tensor is reused: valid until the next call."""
+        rows = [r for r in scheduled
+                if r.num_computed_tokens >= r.num_tokens and self._constrained(r)]
         if not rows:
             return None
         backend = self._get_backend()

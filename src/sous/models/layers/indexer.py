@@ -11,6 +11,10 @@ latent), `k = LayerNorm(wk(x))` (one head) and RoPE (rotate-half layout) on the 
 positions -- transformers' `DeepseekV32Indexer` + mask, in prefill, chunked prefill and decode
 alike. When a sequence's whole context fits in `index_topk` the selection is all of it and is
 skipped. Keys are cached per token in the tail of the layer's MLA cache row.
+
+With the C++ backend the scores of every token of the step are computed by one kernel that
+reads the keys in place through the block table (in bounded row chunks), and the selection is
+handed to MLA as top-k position lists (`IndexSelection.indices`) instead of masks.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from sous.models.layers.rotary import apply_rotary
 
 _QUERY_CHUNK = 256
 """Query rows scored at once in prefill (bounds the `[rows, heads, context]` score tensor)."""
+_SCORE_ELEMENTS = 1 << 24
+"""C++ backend: most score elements (`rows x context`) held at once."""
 
 
 @dataclass
@@ -39,6 +45,9 @@ class IndexSelection:
     """bool `[Bd, nblk * block_size]` over the decode rows' gathered (padded) context."""
     prefill: list[torch.Tensor | None] = field(default_factory=list)
     """Per `meta.prefills` entry: bool `[query_len, seq_len]`."""
+    indices: torch.Tensor | None = None
+    """C++ backend: int32 `[T, min(topk, max_seq_len)]`, the positions each token of the step
+    attends (-1 = none), or None when every token attends its whole causal context."""
 
 
 class Indexer(nn.Module):
@@ -74,6 +83,12 @@ class Indexer(nn.Module):
         k = self._rope(k.unsqueeze(1), rt)[:, 0]
         write_rows(kv_cache, meta.slot_mapping, k, self.offset)
         sel = IndexSelection()
+        if meta.backend == "cpp":
+            if meta.max_seq_len > self.topk:
+                q = self._rope(self.wq_b.forward(q_resid).view(t, self.n_heads, self.head_dim), rt)
+                w = self.weights_proj.forward(x.float()) * self.n_heads**-0.5
+                sel.indices = self._select_cpp(q, w, kv_cache, meta)
+            return sel
         need_dec = bool(meta.decode_rows) and meta.decode_num_blocks * meta.block_size > self.topk
         need_pre = [p.seq_len > self.topk for p in meta.prefills]
         if not need_dec and not any(need_pre):
@@ -119,9 +134,10 @@ class Indexer(nn.Module):
 
     def _select_prefill(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                         kv_cache: torch.Tensor, p: PrefillSeq) -> torch.Tensor:
-        if p.block_ids is None:
+        if p.context_len == 0 and kv_cache.dtype == k.dtype:
             keys = k[p.start : p.end]
         else:
+            assert p.block_ids is not None
             keys = gather_rows(kv_cache, p.block_ids)[: p.seq_len, self.offset :]
         if p.mask is not None:
             causal = p.mask
@@ -133,4 +149,21 @@ class Indexer(nn.Module):
             b = min(a + _QUERY_CHUNK, p.end - p.start)
             scores = self._scores(q[p.start + a : p.start + b], w[p.start + a : p.start + b], keys)
             out[a:b] = self._top(scores, causal[a:b])
+        return out
+
+    def _select_cpp(self, q: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """Top-k positions of every token (see `IndexSelection.indices`), scored in place."""
+        from sous.engine.ops.cpu_attention import index_scores
+
+        t, width = meta.num_tokens, meta.max_seq_len
+        k = min(self.topk, width)
+        out = torch.empty((t, k), dtype=torch.int32, device=q.device)
+        step = max(1, _SCORE_ELEMENTS // width)
+        for a in range(0, t, step):
+            b = min(t, a + step)
+            scores = index_scores(q, w, kv_cache, self.offset, meta, slice(a, b), width,
+                                  self.scale)
+            vals, top = scores.topk(k, dim=-1)
+            out[a:b] = top.masked_fill_(vals == float("-inf"), -1)
         return out

@@ -4,13 +4,19 @@ Per token and layer the cache keeps one row: the normalised KV latent `c_kv` (`k
 the rotated shared key `k_pe` (`qk_rope_head_dim`) and, for V3.2-style sparse attention, the
 indexer key (`index_head_dim`). Per-head keys and values exist only transiently:
 
-* prefill / chunked prefill (query_len > 1): the sequence's latents (fresh, or gathered from
-  its blocks when it has cached context) are up-projected by `kv_b_proj` into per-head K/V and
-  attended with one `scaled_dot_product_attention` per sequence;
+* prefill / chunked prefill (query_len > 1): the sequence's latents are up-projected by
+  `kv_b_proj` into per-head K/V and attended causally;
 * decode (query_len == 1): the weight-absorbed form. `q_nope` is mapped into latent space by
   `W_UK`, every head attends the shared `[c_kv | k_pe]` rows directly (values = `c_kv`), and
   `W_UV` maps the latent output to `v_head_dim` per head. q.k and the output are the same as the
   up-projected form; nothing per-head is materialised over the context.
+
+With the C++ backend (`meta.backend == "cpp"`, see `sous.engine.attention`) decodes read the
+latent rows in place through the block table (one kernel call for all of them, also under the
+V3.2 indexer's top-k selection), and all prefill sequences of a step share one latent gather
+(their whole contexts, by slot), one `kv_b_proj` and one varlen kernel call. The torch backend
+gathers each decode batch's blocks and runs one SDPA per prefill sequence (fresh latents when
+there is no cached context).
 
 RoPE: DeepSeek's rotary pairs are interleaved (`x[2i], x[2i+1]`; `rope_interleave`, always on
 for V3.2 / A.X-K2) and rotated with one complex multiply; `rope_interleave: false` checkpoints
@@ -27,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sous.engine.attention import AttentionMetadata, PrefillSeq
+from sous.engine.attention import AttentionMetadata, PrefillSeq, SeqGroup
 from sous.engine.kv_cache.spec import _zeroed
 from sous.models.layers.norm import RMSNorm
 from sous.models.layers.rotary import apply_rotary, apply_rotary_interleaved, rope_parameters
@@ -130,6 +136,14 @@ def gather_rows(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, block_ids).view(-1, cache.shape[-1])
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
+    """`[len(slots), width]`: the first `width` columns of the cache rows at `slots` (in the
+    cache's dtype)."""
+    if cache.dtype in _FP8_DTYPES:
+        return gather_slots(cache.view(torch.uint8), slots, width).view(cache.dtype)
+    return cache.view(-1, cache.shape[-1])[:, :width].index_select(0, slots)
+
+
 def read_rows(rows: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """Gathered cache rows -> `dtype`, times `scale` for an fp8 cache."""
     if rows.dtype == dtype:
@@ -214,12 +228,16 @@ class MLAAttention(nn.Module):
         c_kv = self.kv_a_layernorm.forward(kv[:, : self.kv_lora])
         k_pe = self._rotate(kv[:, None, self.kv_lora :], rt)[:, 0]
         latent = torch.cat([c_kv, k_pe], dim=-1)
+        if meta.kv_hooks is not None:
+            meta.kv_hooks.wait_for_layer_load(kv_cache)
         write_rows(kv_cache, meta.slot_mapping, latent, 0, self.k_scale)
         sel = None
         if self.indexer is not None:
             assert q_resid is not None
             sel = self.indexer.forward(x, q_resid, rt, kv_cache, meta)
         out = self._attend(q_nope, q_pe, latent, kv_cache, meta, sel)
+        if meta.kv_hooks is not None:  # the indexer keys are written by now too
+            meta.kv_hooks.save_kv_layer(kv_cache)
         o = out.reshape(t, self.num_heads * self.v_dim)
         if self.output_gate:
             gate = q[..., qk:].reshape(t, -1)
@@ -229,6 +247,8 @@ class MLAAttention(nn.Module):
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, sel: Any) -> torch.Tensor:
         """`[T, H, v_head_dim]`: decodes in latent space, other sequences up-projected."""
+        if meta.backend == "cpp":
+            return self._attend_cpp(q_nope, q_pe, kv_cache, meta, sel)
         t = q_nope.shape[0]
         if not meta.prefills and meta.decode_token_slice == (0, meta.num_tokens):
             return self._decode(q_nope, q_pe, kv_cache, meta, sel)
@@ -252,10 +272,13 @@ class MLAAttention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                  p: PrefillSeq, index_mask: torch.Tensor | None) -> torch.Tensor:
-        """One sequence's queries `[Lq, H, qk]` over its whole context -> `[Lq, H, v]`."""
-        if p.block_ids is None:
+        """One sequence's queries `[Lq, H, qk]` over its whole context -> `[Lq, H, v]`. A fresh
+        prefill uses its new latents when the cache holds them losslessly (same dtype), else
+        reads them back like cached context (as the C++ path always does)."""
+        if p.context_len == 0 and kv_cache.dtype == latent.dtype:
             lat = latent[p.start : p.end]
         else:
+            assert p.block_ids is not None
             lat = gather_rows(kv_cache, p.block_ids)[: p.seq_len, : self.kv_lora + self.rope]
             lat = read_rows(lat, q.dtype, self.k_scale)
         s = lat.shape[0]
@@ -298,3 +321,63 @@ class MLAAttention(nn.Module):
             scale=self.scale,
         )  # [Bd, 1, H, kv_lora]
         return torch.bmm(o[:, 0].transpose(0, 1), self.w_uv).transpose(0, 1)
+
+    # -- C++ backend -------------------------------------------------------------------------
+
+    def _attend_cpp(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, sel: Any) -> torch.Tensor:
+        """`_attend` on the C++ kernels: decodes absorbed over the cache in place (one call),
+        prefill sequences up-projected together (one gather, one call)."""
+        idx = None if sel is None else sel.indices
+        if not meta.prefills:
+            return self._decode_cpp(q_nope, q_pe, kv_cache, meta, meta.decode_group(), idx)
+        out = torch.empty((q_nope.shape[0], self.num_heads, self.v_dim), dtype=torch.float32,
+                          device=q_nope.device)
+        if meta.decode_rows:
+            g = meta.decode_group()
+            if g.token_slice is not None:
+                a, b = g.token_slice
+                qn, qp, di = q_nope[a:b], q_pe[a:b], None if idx is None else idx[a:b]
+                out[a:b] = self._decode_cpp(qn, qp, kv_cache, meta, g, di)
+            else:
+                assert g.token_idx is not None
+                ti = g.token_idx
+                di = None if idx is None else idx.index_select(0, ti)
+                dec = self._decode_cpp(q_nope.index_select(0, ti), q_pe.index_select(0, ti),
+                                       kv_cache, meta, g, di)
+                out.index_copy_(0, ti, dec.float())
+        self._prefill_cpp(q_nope, q_pe, kv_cache, meta.prefill_group(), idx, out)
+        return out.to(q_nope.dtype)
+
+    def _prefill_cpp(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                     g: SeqGroup, idx: torch.Tensor | None, out: torch.Tensor) -> None:
+        """All prefill sequences: their latents (positions 0 .. seq_len-1, read back from the
+        cache) up-projected once, then one varlen causal call writing their rows of `out`."""
+        from sous.engine.ops.cpu_attention import flat_attention
+
+        assert g.kv_slots is not None
+        width = self.kv_lora + self.rope
+        lat = read_rows(gather_slots(kv_cache, g.kv_slots, width), q_nope.dtype, self.k_scale)
+        s = lat.shape[0]
+        kv = self.kv_b_proj.forward(lat[:, : self.kv_lora].contiguous())
+        kv = kv.view(s, self.num_heads, self.nope + self.v_dim)
+        k = torch.empty((s, self.num_heads, self.nope + self.rope), dtype=kv.dtype,
+                        device=kv.device)
+        k[..., : self.nope] = kv[..., : self.nope]
+        k[..., self.nope :] = lat[:, None, self.kv_lora :]
+        q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
+        flat_attention(q, k, kv[..., self.nope :], g, self.scale, out, idx)
+
+    def _decode_cpp(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, g: SeqGroup,
+                    idx: torch.Tensor | None) -> torch.Tensor:
+        """Absorbed attention of the decode rows `[Bd, H, *]` over their latent rows in place
+        -> `[Bd, H, v]` (in q's dtype)."""
+        from sous.engine.ops.cpu_attention import latent_attention
+
+        assert self.w_uk is not None and self.w_uv is not None
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, Bd, kv_lora]
+        qq = torch.cat([q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)], dim=-1)
+        o = latent_attention(qq, kv_cache, self.kv_lora, g, meta.block_size, self.scale,
+                             self.k_scale, idx)
+        return torch.bmm(o.to(q_lat.dtype).transpose(0, 1), self.w_uv).transpose(0, 1)

@@ -108,30 +108,70 @@ def fused_experts(
     """`sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])` for every token.
 
     x `[T, H]`, w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`, topk_* `[T, k]`
-    -> `[T, H]` in x's dtype. Token-expert pairs are sorted by expert id; each active expert runs
-    one gate/up matmul, SiLU(gate) * up and one down matmul over its tokens; the weighted rows
-    are accumulated with one `index_add_`. One host sync per call (the per-expert counts)."""
+    -> `[T, H]` in x's dtype. Token-expert pairs are sorted by expert id; the experts run as
+    two grouped matmuls over those contiguous runs (`torch._grouped_mm` with the runs' end
+    offsets), SiLU(gate) * up between them; the weighted rows are accumulated with one
+    `index_add_`. No host sync: the group sizes stay on the device. Where the grouped matmul
+    has no kernel for the device and dtype, one matmul per expert runs instead (that path
+    reads the per-expert counts on the host), and also where a row is not a multiple of 16
+    bytes, which the grouped matmul requires."""
     t, h = x.shape
     k = topk_ids.shape[1]
+    num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     token_idx = order // k
     weights = topk_weights.reshape(-1).index_select(0, order)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts)
     xs = x.index_select(0, token_idx)
-    ys = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
+    row_bytes = w2.shape[2] * x.element_size()  # I; H and 2I follow for the usual shapes
+    aligned = row_bytes % 16 == 0 and h * x.element_size() % 16 == 0
+    if aligned and _grouped_mm_works(x.device, x.dtype):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        act = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+        ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+        ys = (ys * weights[:, None]).to(x.dtype)
+    else:
+        ys = _experts_loop(xs, w13, w2, weights, counts)
+    out = torch.zeros_like(x)
+    out.index_add_(0, token_idx, ys)
+    return out
+
+
+def _experts_loop(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  counts: torch.Tensor) -> torch.Tensor:
+    """The per-expert fallback of `fused_experts` over rows sorted by expert."""
+    ys = torch.empty((xs.shape[0], w2.shape[1]), dtype=xs.dtype, device=xs.device)
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts.tolist()):
         if n == 0:
             continue
         end = start + n
         act = silu_and_mul(torch.mm(xs[start:end], w13[e].t()))
         y = torch.mm(act, w2[e].t())
-        ys[start:end] = (y * weights[start:end, None]).to(x.dtype)
+        ys[start:end] = (y * weights[start:end, None]).to(xs.dtype)
         start = end
-    out = torch.zeros_like(x)
-    out.index_add_(0, token_idx, ys)
-    return out
+    return ys
+
+
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs for this device type and dtype, exactly (tried once on
+    a small problem against per-group matmuls, then remembered)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_OK:
+        try:
+            a = torch.arange(32, dtype=dtype, device=device).view(4, 8) / 8
+            b = torch.arange(128, dtype=dtype, device=device).view(2, 8, 8) / 64
+            offs = torch.tensor([1, 4], dtype=torch.int32, device=device)
+            got = torch._grouped_mm(a, b, offs=offs)
+            want = torch.cat([a[:1] @ b[0], a[1:4] @ b[1]])
+            _GROUPED_MM_OK[key] = bool(torch.allclose(got, want))
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _GROUPED_MM_OK[key] = False
+    return _GROUPED_MM_OK[key]
 
 
 _PER_EXPERT = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}

@@ -1,0 +1,13 @@
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sous CPU ops: attention that reads K/V through the block table";
+  m.def("paged_attention", &sous::paged_attention,
+        "Varlen causal (or index-selected) attention over a paged KV cache");
+  m.def("gqa_attention", &sous::gqa_attention,
+        "Store a step's new K/V in a GQA paged cache, then attend every sequence");
+  m.def("index_scores", &sous::index_scores,
+        "DeepSeek sparse-attention indexer scores over a paged key cache");
+}

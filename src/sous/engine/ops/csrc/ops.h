@@ -1,0 +1,32 @@
+// Entry points of the sous CPU ops extension (see attention.cpp, gqa.cpp, index_scores.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <vector>
+
+namespace sous {
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const std::vector<int64_t>& k_strides,
+                     const std::vector<int64_t>& v_strides, int64_t num_blocks,
+                     const at::Tensor& q_start, const at::Tensor& q_len,
+                     const at::Tensor& seq_lens, const at::Tensor& block_table,
+                     int64_t block_size, int64_t num_kv_heads, double scale, double k_scale,
+                     double v_scale, const std::optional<at::Tensor>& indices);
+
+at::Tensor gqa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& q_start, const at::Tensor& q_len,
+                         const at::Tensor& seq_lens, const at::Tensor& block_table,
+                         int64_t block_size, double scale, double k_scale, double v_scale);
+
+void index_scores(at::Tensor out, const at::Tensor& q, const at::Tensor& w, const at::Tensor& k,
+                  const std::vector<int64_t>& k_strides, int64_t num_blocks,
+                  const at::Tensor& row_token, const at::Tensor& row_seq,
+                  const at::Tensor& row_pos, const at::Tensor& block_table, int64_t block_size,
+                  double scale);
+
+}  // namespace sous

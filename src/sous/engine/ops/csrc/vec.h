@@ -1,0 +1,353 @@
+// SIMD building blocks of the CPU attention kernels: float32 math over rows of K/V read
+// straight from the paged cache. Every function has an AVX-512 body (the extension is built with
+// -march=native) and a portable scalar body the compiler may vectorise on other CPUs.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define SOUS_AVX512 1
+#endif
+
+namespace sous {
+
+// Element type of a KV cache.
+enum class KvType : int { F32 = 0, BF16 = 1, F16 = 2, FP8E4M3 = 3 };
+
+inline int kv_elem_size(KvType t) {
+  return t == KvType::F32 ? 4 : (t == KvType::FP8E4M3 ? 1 : 2);
+}
+
+inline float fp8e4m3_to_float(uint8_t b) {
+  const uint32_t e = (b >> 3) & 0xF, m = b & 7;
+  float v;
+  if (e == 0) {
+    v = static_cast<float>(m) * 0.001953125f;  // subnormal: m * 2^-9
+  } else {
+    const uint32_t bits = ((e + 120) << 23) | (m << 20);
+    std::memcpy(&v, &bits, 4);
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// dst[0:n] = float(src[0:n]) * scale, src in the cache's element type.
+inline void convert_row(const void* src, KvType t, int n, float scale, float* dst) {
+  int i = 0;
+#ifdef SOUS_AVX512
+  const __m512 vs = _mm512_set1_ps(scale);
+  if (t == KvType::FP8E4M3) {
+    const auto* s = static_cast<const uint8_t*>(src);
+    for (; i + 16 <= n; i += 16) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+      __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+      __m512 normal = _mm512_castsi512_ps(
+          _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+      __m512 sub = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(7))),
+          _mm512_set1_ps(0.001953125f));
+      __mmask16 is_sub =
+          _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x78)),
+                                  _mm512_setzero_si512());
+      __m512 v = _mm512_mul_ps(_mm512_mask_blend_ps(is_sub, normal, sub), vs);
+      __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+      _mm512_storeu_ps(dst + i,
+                       _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign)));
+    }
+  } else if (t == KvType::BF16) {
+    const auto* s = static_cast<const uint16_t*>(src);
+    for (; i + 16 <= n; i += 16) {
+      __m512i w =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+      _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), vs));
+    }
+  } else if (t == KvType::F16) {
+    const auto* s = static_cast<const uint16_t*>(src);
+    for (; i + 16 <= n; i += 16) {
+      __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+      _mm512_storeu_ps(dst + i, _mm512_mul_ps(v, vs));
+    }
+  }
+#endif
+  switch (t) {
+    case KvType::F32: {
+      const auto* s = static_cast<const float*>(src);
+      for (; i < n; ++i) dst[i] = s[i] * scale;
+      break;
+    }
+    case KvType::BF16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (; i < n; ++i) dst[i] = bf16_to_float(s[i]) * scale;
+      break;
+    }
+    case KvType::F16: {
+      const auto* s = static_cast<const c10::Half*>(src);
+      for (; i < n; ++i) dst[i] = static_cast<float>(s[i]) * scale;
+      break;
+    }
+    case KvType::FP8E4M3: {
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (; i < n; ++i) dst[i] = fp8e4m3_to_float(s[i]) * scale;
+      break;
+    }
+  }
+}
+
+#ifdef SOUS_AVX512
+// The 16 horizontal sums of v[0..15], as one vector (lane j = sum of v[j]).
+inline __m512 hsum16(__m512* v) {
+  __m512 w[8], x[4];
+  for (int k = 0; k < 8; ++k) {
+    __m512 a = v[2 * k], b = v[2 * k + 1];
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int k = 0; k < 4; ++k) {
+    __m512 a = w[2 * k], b = w[2 * k + 1];
+    x[k] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                             _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88),
+                             _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88),
+                       _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                    _mm512_set1_ps(-103.0f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
+inline __mmask16 tail_mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+#endif
+
+// out[j] = scale * dot(q[0:d], k[j][0:d]) for the 16 rows k[0..15].
+inline void scores16(const float* q, const float* const* k, int d, float scale, float* out) {
+#ifdef SOUS_AVX512
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j] + i), acc[j]);
+  }
+  if (i < d) {
+    const __mmask16 m = tail_mask(d - i);
+    const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+    for (int j = 0; j < 16; ++j)
+      acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k[j] + i), acc[j]);
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+#else
+  for (int j = 0; j < 16; ++j) {
+    float s = 0.f;
+    const float* kj = k[j];
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < d; ++i) s += q[i] * kj[i];
+    out[j] = s * scale;
+  }
+#endif
+}
+
+inline float max_n(const float* x, int n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int i = 0;
+#ifdef SOUS_AVX512
+  __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    vm = _mm512_mask_max_ps(vm, m, vm, _mm512_maskz_loadu_ps(m, x + i));
+  }
+  return _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// x[0:n] = exp(x[0:n] - mx); returns their sum.
+inline float exp_shift_sum(float* x, int n, float mx) {
+  int i = 0;
+  float sum = 0.f;
+#ifdef SOUS_AVX512
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), vm));
+    _mm512_mask_storeu_ps(x + i, m, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, e));
+    i = n;
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += x[i];
+  }
+  return sum;
+}
+
+inline void scale_n(float* x, int n, float a) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) x[i] *= a;
+}
+
+// S[i][0:64] = scale * (q[i] . kt[:, 0:64]) for the R rows q[i] (R <= 4), kt the keys of a chunk
+// transposed: kt[k * 64 + j] = key j, element k (k < d).
+template <int R>
+inline void scores_t(const float* const* q, const float* kt, int d, float scale, float* S,
+                     int lds) {
+#ifdef SOUS_AVX512
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_setzero_ps();
+  for (int k = 0; k < d; ++k) {
+    const float* row = kt + static_cast<int64_t>(k) * 64;
+    const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
+    const __m512 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+    for (int i = 0; i < R; ++i) {
+      const __m512 qb = _mm512_set1_ps(q[i][k]);
+      acc[i][0] = _mm512_fmadd_ps(qb, k0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(qb, k1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(qb, k2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(qb, k3, acc[i][3]);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int i = 0; i < R; ++i)
+    for (int g = 0; g < 4; ++g)
+      _mm512_storeu_ps(S + i * lds + 16 * g, _mm512_mul_ps(acc[i][g], vs));
+#else
+  for (int i = 0; i < R; ++i) {
+    float* s = S + i * lds;
+    for (int j = 0; j < 64; ++j) s[j] = 0.f;
+    for (int k = 0; k < d; ++k) {
+      const float qk = q[i][k];
+      const float* row = kt + static_cast<int64_t>(k) * 64;
+#pragma omp simd
+      for (int j = 0; j < 64; ++j) s[j] += qk * row[j];
+    }
+    for (int j = 0; j < 64; ++j) s[j] *= scale;
+  }
+#endif
+}
+
+// o[i][0:dv] += sum_{j<n} P[i][j] * v[j][0:dv] for the R rows (R <= 4; V loads shared).
+template <int R>
+inline void axpy_rows_multi(float* const* o, const float* P, int ldp, const float* const* v,
+                            int n, int dv) {
+  int c = 0;
+#ifdef SOUS_AVX512
+  for (; c + 64 <= dv; c += 64) {
+    __m512 acc[R][4];
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_loadu_ps(o[i] + c + 16 * g);
+    for (int j = 0; j < n; ++j) {
+      const float* vj = v[j] + c;
+      const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+      const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+      for (int i = 0; i < R; ++i) {
+        const __m512 pb = _mm512_set1_ps(P[i * ldp + j]);
+        acc[i][0] = _mm512_fmadd_ps(pb, v0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(pb, v1, acc[i][1]);
+        acc[i][2] = _mm512_fmadd_ps(pb, v2, acc[i][2]);
+        acc[i][3] = _mm512_fmadd_ps(pb, v3, acc[i][3]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < 4; ++g) _mm512_storeu_ps(o[i] + c + 16 * g, acc[i][g]);
+  }
+  for (; c < dv; c += 16) {
+    const __mmask16 m = tail_mask(std::min(16, dv - c));
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_maskz_loadu_ps(m, o[i] + c);
+    for (int j = 0; j < n; ++j) {
+      const __m512 vj = _mm512_maskz_loadu_ps(m, v[j] + c);
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(P[i * ldp + j]), vj, acc[i]);
+    }
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(o[i] + c, m, acc[i]);
+  }
+#else
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < n; ++j) {
+      const float pj = P[i * ldp + j];
+      const float* vj = v[j];
+      float* oi = o[i];
+#pragma omp simd
+      for (int k = 0; k < dv; ++k) oi[k] += pj * vj[k];
+    }
+  (void)c;
+#endif
+}
+
+// o[0:dv] += sum_{j<n} p[j] * v[j][0:dv].
+inline void axpy_rows(float* o, const float* p, const float* const* v, int n, int dv) {
+  int i = 0;
+#ifdef SOUS_AVX512
+  for (; i + 64 <= dv; i += 64) {
+    __m512 a0 = _mm512_loadu_ps(o + i), a1 = _mm512_loadu_ps(o + i + 16);
+    __m512 a2 = _mm512_loadu_ps(o + i + 32), a3 = _mm512_loadu_ps(o + i + 48);
+    for (int j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      const float* vj = v[j] + i;
+      a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj), a0);
+      a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16), a1);
+      a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 32), a2);
+      a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 48), a3);
+    }
+    _mm512_storeu_ps(o + i, a0);
+    _mm512_storeu_ps(o + i + 16, a1);
+    _mm512_storeu_ps(o + i + 32, a2);
+    _mm512_storeu_ps(o + i + 48, a3);
+  }
+  for (; i < dv; i += 16) {
+    const __mmask16 m = tail_mask(std::min(16, dv - i));
+    __m512 a = _mm512_maskz_loadu_ps(m, o + i);
+    for (int j = 0; j < n; ++j)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v[j] + i), a);
+    _mm512_mask_storeu_ps(o + i, m, a);
+  }
+#else
+  for (int j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const float* vj = v[j];
+#pragma omp simd
+    for (int k = 0; k < dv; ++k) o[k] += pj * vj[k];
+  }
+  (void)i;
+#endif
+}
+
+}  // namespace sous

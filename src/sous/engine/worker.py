@@ -1,0 +1,99 @@
+"""Worker: the model side of the engine-core <-> worker boundary.
+
+The engine core (scheduler, KV cache manager, output processing) never touches the model; it
+asks a Worker, through an executor (`sous.engine.executor`), to load the model, to allocate
+the KV cache once the core has sized it, and to run steps: `execute_model(SchedulerOutput)
+-> ModelRunnerOutput`. Everything crossing the boundary is picklable, so the same Worker
+runs in the engine's process or in a worker process.
+
+The Worker owns the model, the KV cache tensors and the ModelRunner (with its persistent
+input batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sous.config.engine import EngineConfig
+from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
+from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sous.models.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine.")
+    return torch.device(name)
+
+
+@dataclass
+class ModelInfo:
+    """What the engine core needs to know of the loaded model (everything but the weights)."""
+
+    tokenizer: Any
+    hf_config: Any
+    served_model_name: str
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    model_path: str
+    kv_cache_spec: Any
+    """The model's KV layout with --kv-cache-dtype applied (sizes the cache)."""
+    device: str
+    quantization: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Worker:
+    """Loads the model on `config.device` and runs steps on it (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self._loaded = loaded
+        self.runner: Any = None
+        self.loaded: LoadedModel | None = None
+
+    def load_model(self) -> ModelInfo:
+        loaded = self._loaded or load_model(self.config.model, self.config.load, self.device)
+        self._loaded = None
+        self.loaded = loaded
+        cache = self.config.cache
+        spec = with_cache_dtype(loaded.model.kv_cache_spec(), cache.kv_cache_dtype)
+        if cache.kv_cache_dtype != "auto":
+            n = apply_kv_scales(loaded.model, loaded.kv_scales)
+            logger.info("KV cache dtype %s: %d per-layer scales from the checkpoint (others 1.0)",
+                        cache.kv_cache_dtype, n)
+        self.kv_cache_spec = spec
+        return ModelInfo(
+            tokenizer=loaded.tokenizer, hf_config=loaded.hf_config,
+            served_model_name=loaded.served_model_name,
+            max_position_embeddings=loaded.max_position_embeddings,
+            eos_token_ids=list(loaded.eos_token_ids), model_path=loaded.model_path,
+            kv_cache_spec=spec, device=str(self.device), quantization=loaded.quantization)
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate the KV cache (zeroed, so its memory is held) and build the runner."""
+        from sous.engine.runner import ModelRunner
+
+        assert self.loaded is not None, "load_model() first"
+        cache = self.config.cache
+        kv_caches = self.kv_cache_spec.allocate(num_blocks, cache.block_size, self.device)
+        self.runner = ModelRunner(
+            self.loaded.model, kv_caches, cache.block_size, self.device,
+            seed=self.config.model.seed, max_num_reqs=self.config.scheduler.max_num_seqs,
+            max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.runner = None
+        self.loaded = None
