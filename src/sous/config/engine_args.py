@@ -34,6 +34,7 @@ from sous.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from sous.config.env_vars import env_values
 from sous.config.flag_utils import (
     at_least,
     class_doc,
@@ -363,39 +364,6 @@ def _normalize(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Settings vLLM reads from the environment (ValueError naming the variable)."""
-    out: dict[str, Any] = {}
-    raw = environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "").strip()
-    if raw:
-        try:
-            out["engine_ready_timeout_s"] = float(raw)
-        except ValueError:
-            out["engine_ready_timeout_s"] = -1.0
-        if not out["engine_ready_timeout_s"] > 0:
-            raise ValueError(f"VLLM_ENGINE_READY_TIMEOUT_S={raw!r}: expected seconds > 0")
-    raw = environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-    if raw:
-        try:
-            gib = float(raw)
-        except ValueError:
-            gib = -1.0
-        if not gib >= 0:
-            raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={raw!r}: expected GiB >= 0 (0: the default)")
-        if gib > 0:
-            out["cpu_kvcache_space_bytes"] = int(gib * 2**30)
-    raw = environ.get("VLLM_WORKER_MULTIPROC_METHOD", "").strip()
-    if raw:
-        if raw not in ("spawn", "fork"):
-            raise ValueError(f"VLLM_WORKER_MULTIPROC_METHOD={raw!r}: expected spawn or fork")
-        out["worker_multiproc_method"] = raw
-    from sous.engine.kv_cache.sub_block import ENV_VAR, env_enabled
-
-    if ENV_VAR in environ:  # a bad value: `sous serve` exits 2 naming the variable
-        out["enable_sub_block_cache"] = env_enabled(environ)
-    return out
-
-
 def _build(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig]:
     """Group flat field values into (EngineConfig, ServerConfig); missing ones default."""
 
@@ -438,7 +406,7 @@ def parse_serve_args(
     elif values["model"] is not None:
         logger.warning("--model is deprecated in vLLM; pass the model as the first argument.")
     try:
-        values.update(_env_values(environ))
+        values.update(env_values(environ))
     except ValueError as e:
         parser.error(str(e))
     if values["api_key"] is None and environ.get("VLLM_API_KEY"):
@@ -503,7 +471,7 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
             values[name] = _coerce(fields[name], value)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}={value!r}: {e}") from None
-    values.update({k: v for k, v in _env_values(os.environ).items() if k not in kwargs})
+    values.update({k: v for k, v in env_values(os.environ).items() if k not in kwargs})
     problems = _not_yet_messages(values, as_kwargs=True)
     if problems:
         raise NotSupportedYetError(" ".join(problems))

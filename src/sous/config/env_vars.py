@@ -1,0 +1,57 @@
+"""Settings vLLM reads from environment variables, parsed into config field values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["env_values"]
+
+
+def _positive_seconds(environ: Mapping[str, str], name: str) -> float | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: expected seconds > 0")
+    return value
+
+
+def _cpu_kvcache_space_bytes(environ: Mapping[str, str]) -> int | None:
+    """VLLM_CPU_KVCACHE_SPACE in GiB (0 or unset: the default)."""
+    raw = environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not raw:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={raw!r}: expected GiB >= 0 (0: the default)")
+    return int(gib * 2**30) if gib > 0 else None
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Config field values from the environment; ValueError naming the variable when one is
+    malformed. Only variables that are set appear in the result."""
+    out: dict[str, Any] = {}
+    timeout = _positive_seconds(environ, "VLLM_ENGINE_READY_TIMEOUT_S")
+    if timeout is not None:
+        out["engine_ready_timeout_s"] = timeout
+    space = _cpu_kvcache_space_bytes(environ)
+    if space is not None:
+        out["cpu_kvcache_space_bytes"] = space
+    raw = environ.get("VLLM_WORKER_MULTIPROC_METHOD", "").strip()
+    if raw:
+        if raw not in ("spawn", "fork"):
+            raise ValueError(f"VLLM_WORKER_MULTIPROC_METHOD={raw!r}: expected spawn or fork")
+        out["worker_multiproc_method"] = raw
+    from sous.engine.kv_cache.sub_block import ENV_VAR, env_enabled
+
+    if ENV_VAR in environ:  # a bad value: `sous serve` exits 2 naming the variable
+        out["enable_sub_block_cache"] = env_enabled(environ)
+    return out
