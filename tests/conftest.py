@@ -27,3 +27,15 @@ def smollm_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(bundled_model_dir(), gguf_file=BUNDLED_GGUF)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: one intra-op thread avoids oversubscription stalls on a shared machine
+    (modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,13 +14,7 @@ from sous.engine.kv_cache.fp8 import apply_kv_scales
 from sous.engine.ops.build import load
 from tiny_models import make_tiny_deepseek, make_tiny_llama, make_tiny_minimax_m2
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 MAKERS = {

@@ -30,13 +30,7 @@ ATOL = 1e-4
 SHORT = {"DeepseekV3ForCausalLM": "v3", "DeepseekV32ForCausalLM": "v32", "AXK2ForCausalLM": "axk2"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread avoids oversubscription stalls on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(n: int, seed: int) -> list[int]:

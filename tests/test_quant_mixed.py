@@ -38,13 +38,7 @@ LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread avoids oversubscription stalls on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _load(path: Path):

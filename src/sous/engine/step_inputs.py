@@ -67,11 +67,9 @@ def build_step_inputs(batch: InputBatch, req_ids: list[str],
                  - np.repeat(qsl[:-1] - computed, query_lens))
     token_ids = batch.token_ids[np.repeat(rows, query_lens), positions]
     num_logits = logits_counts(computed + query_lens, batch.num_tokens[rows], num_spec)
-    ends = qsl[1:]
-    if n and num_logits.any():
-        logits_indices = np.concatenate([np.arange(e - k, e, dtype=np.int64)
-                                         for e, k in zip(ends, num_logits, strict=True) if k])
-    else:
-        logits_indices = np.zeros(0, dtype=np.int64)
+    # The last num_logits[i] token indices of each request, without a Python loop.
+    starts = np.repeat(qsl[1:] - num_logits, num_logits)
+    first = np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+    logits_indices = starts + np.arange(len(starts), dtype=np.int64) - first
     return StepInputs(req_ids, rows, query_lens, computed, num_logits, token_ids, positions,
                       logits_indices)
