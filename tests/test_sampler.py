@@ -4,19 +4,31 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from sous.engine.sampler import SamplingBatch, apply_top_k_top_p, sample
+from sous.engine.input_batch import CachedRequestState, InputBatch
+from sous.engine.sampler import SamplingMetadata, apply_top_k_top_p, sample
 from sous.engine.sampling_params import SamplingParams
+
+VOCAB = 100
 
 
 def batch(params: list[SamplingParams], seeds: list[int | None] | None = None,
-          outputs: list[list[int]] | None = None, banned: list[list[int]] | None = None,
-          ) -> SamplingBatch:
+          outputs: list[list[int]] | None = None, eos: tuple[int, ...] = (),
+          ) -> SamplingMetadata:
+    """The metadata the runner builds: requests with prompt [1, 2] in an InputBatch."""
     n = len(params)
-    gens = [None if s is None else torch.Generator().manual_seed(s) for s in (seeds or [None] * n)]
-    return SamplingBatch(params, gens, [[1, 2]] * n, outputs or [[]] * n, banned or [[]] * n)
+    ib = InputBatch(n + 1, 64, 4)
+    ib.add(CachedRequestState("other", [5], SamplingParams(temperature=1.0, top_k=3), [0], 0))
+    for i, p in enumerate(params):
+        seed = None if seeds is None else seeds[i]
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        out = [] if outputs is None else outputs[i]
+        ib.add(CachedRequestState(f"r{i}", [1, 2], p, [0], 0, list(out), gen))
+    rows = np.arange(1, n + 1)  # a subset of the batch's rows, as in a step
+    return ib.sampling_metadata(rows, VOCAB, torch.device("cpu"), list(eos))
 
 
 def test_greedy_is_argmax() -> None:
@@ -72,8 +84,13 @@ def test_penalties() -> None:
 
 def test_min_tokens_bans_stop_ids() -> None:
     logits = torch.tensor([[5.0, 1.0, 0.0]])
-    out = sample(logits.clone(), batch([SamplingParams(temperature=0)], banned=[[0]]))
-    assert out.sampled.tolist() == [1]
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    out = sample(logits.clone(), batch([p], eos=(0,)))
+    assert out.sampled.tolist() == [2]
+    out = sample(logits.clone(), batch([p], outputs=[[2, 2]], eos=(0,)))  # min_tokens reached
+    assert out.sampled.tolist() == [0]
+    p = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sample(logits.clone(), batch([p], eos=(0,))).sampled.tolist() == [0]
 
 
 def test_logprobs_are_raw_and_ranked() -> None:
@@ -109,3 +126,15 @@ def test_int64_seeds_seed_a_generator(seed: int) -> None:
     """The whole accepted range seeds torch generators (negative seeds as 2**64 + seed)."""
     p = SamplingParams(temperature=1.0, seed=seed)
     torch.Generator().manual_seed(p.seed)
+
+
+def test_all_greedy_metadata_is_empty() -> None:
+    """An all-greedy step builds no tensors (the fast path of every greedy benchmark)."""
+    md = batch([SamplingParams(temperature=0)] * 3)
+    assert md.all_greedy and md.temperature is None and md.top_k is None
+    assert not md.generators and not md.penalties and md.max_num_logprobs is None
+    mixed = batch([SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_p=0.9)],
+                  seeds=[None, 3])
+    assert not mixed.all_greedy and mixed.is_greedy.tolist() == [True, False]
+    assert mixed.temperature.tolist() == [1.0, 0.5] and mixed.top_k is None
+    assert list(mixed.generators) == [1]

@@ -203,14 +203,15 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
+        query_lens: list[int] | np.ndarray,
+        seq_lens: list[int] | np.ndarray,
+        block_tables: list[list[int]] | np.ndarray,
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
         """Metadata for a step. Sequence i holds `seq_lens[i]` tokens after this step, of which the
-        last `query_lens[i]` are computed now; `block_tables[i]` lists its blocks in order."""
+        last `query_lens[i]` are computed now; `block_tables[i]` lists its blocks in order (a
+        2-D array: one padded row per sequence, each holding at least the blocks it needs)."""
         ql, sl, bt, need = _host_arrays(query_lens, seq_lens, block_tables, block_size)
         num_seqs = len(ql)
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -231,8 +232,8 @@ class AttentionMetadata:
             num_tokens=num_tokens,
             query_start_loc=v32[0],
             seq_lens=v32[1],
-            query_lens_list=list(query_lens),
-            seq_lens_list=list(seq_lens),
+            query_lens_list=ql.tolist(),
+            seq_lens_list=sl.tolist(),
             block_tables=v32[2].view(num_seqs, bt.shape[1]),
             slot_mapping=v64[1],
             positions=v64[0],
@@ -263,8 +264,9 @@ class AttentionMetadata:
         return meta
 
 
-def _host_arrays(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                 block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _host_arrays(query_lens: list[int] | np.ndarray, seq_lens: list[int] | np.ndarray,
+                 block_tables: list[list[int]] | np.ndarray, block_size: int,
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Validated int64 query lengths, sequence lengths, the block table padded with 0, and the
     blocks each sequence needs."""
     num_seqs = len(query_lens)
@@ -274,12 +276,18 @@ def _host_arrays(query_lens: list[int], seq_lens: list[int], block_tables: list[
     sl = np.asarray(seq_lens, dtype=np.int64)
     if num_seqs and (ql.min() < 1 or (sl < ql).any()):
         raise ValueError("every sequence needs 1 <= query_len <= seq_len")
-    max_blocks = max((len(b) for b in block_tables), default=0)
-    bt = np.zeros((num_seqs, max(max_blocks, 1)), dtype=np.int64)
-    for i, b in enumerate(block_tables):
-        bt[i, : len(b)] = b
     need = (sl + block_size - 1) // block_size
-    if num_seqs and (need > np.asarray([len(b) for b in block_tables])).any():
+    if isinstance(block_tables, np.ndarray):
+        bt = block_tables.astype(np.int64, copy=False).reshape(num_seqs, -1)
+        lens = np.full(num_seqs, bt.shape[1])
+        if bt.shape[1] == 0:
+            bt = np.zeros((num_seqs, 1), dtype=np.int64)
+    else:
+        lens = np.asarray([len(b) for b in block_tables], dtype=np.int64)
+        bt = np.zeros((num_seqs, max(int(lens.max(initial=0)), 1)), dtype=np.int64)
+        for i, b in enumerate(block_tables):
+            bt[i, : len(b)] = b
+    if num_seqs and (need > lens).any():
         raise ValueError("a block table is too short for its sequence length")
     return ql, sl, bt, need
 

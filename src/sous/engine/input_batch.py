@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sous.engine.sampler import RowPenalties, SamplingMetadata
 from sous.engine.sampling_params import SamplingParams
 
 
@@ -50,10 +51,17 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max(max_num_blocks, 1)), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Sampling settings, one entry per row (see `sampling_metadata`).
+        self.greedy = np.zeros(max_num_reqs, dtype=bool)
         self.temperature = np.ones(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        """-1: no logprobs wanted."""
+        self.needs_penalties = np.zeros(max_num_reqs, dtype=bool)
+        self.has_generator = np.zeros(max_num_reqs, dtype=bool)
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
         self._holes: list[int] = []
         self._num_rows = 0
@@ -86,12 +94,20 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.set_block_ids(row, state.block_ids)
+        self._set_sampling(row, state)
+        return row
+
+    def _set_sampling(self, row: int, state: CachedRequestState) -> None:
         p = state.sampling_params
+        self.greedy[row] = p.greedy
         self.temperature[row] = 1.0 if p.greedy else p.temperature
         self.top_p[row] = p.top_p
         self.top_k[row] = p.top_k
         self.min_p[row] = p.min_p
-        return row
+        self.min_tokens[row] = p.min_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.needs_penalties[row] = p.needs_penalties
+        self.has_generator[row] = state.generator is not None
 
     def remove(self, req_id: str) -> CachedRequestState | None:
         """Take `req_id` out of the batch (its row becomes a hole until `condense`)."""
@@ -124,7 +140,9 @@ class InputBatch:
         n = int(self.num_tokens[src])
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p):
+                    self.num_blocks, self.greedy, self.temperature, self.top_p, self.top_k,
+                    self.min_p, self.min_tokens, self.num_logprobs, self.needs_penalties,
+                    self.has_generator):
             arr[dst] = arr[src]
         nb = int(self.num_blocks[src])
         self.block_table[dst, :nb] = self.block_table[src, :nb]
@@ -152,3 +170,55 @@ class InputBatch:
         n = int(self.num_tokens[row])
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
+
+    # ---------------------------------------------------------------- sampling
+    def sampling_metadata(self, rows: np.ndarray, vocab_size: int, device: torch.device,
+                          eos_token_ids: list[int]) -> SamplingMetadata:
+        """The sampling settings of `rows` (in logits order) as tensors on `device`. Fields no
+        row uses stay None, so an all-greedy step costs a few numpy reductions."""
+        greedy = self.greedy[rows]
+        all_greedy = bool(greedy.all())
+        md = SamplingMetadata(all_greedy=all_greedy)
+        if not all_greedy:
+            md.temperature = _tensor(self.temperature[rows], device)
+            if greedy.any():
+                md.is_greedy = torch.from_numpy(greedy).to(device)
+            top_k = self.top_k[rows]
+            if ((top_k > 0) & (top_k < vocab_size)).any():
+                md.top_k = _tensor(np.where(top_k > 0, np.minimum(top_k, vocab_size),
+                                            vocab_size), device)
+            top_p = self.top_p[rows]
+            if (top_p < 1.0).any():
+                md.top_p = _tensor(top_p, device)
+            min_p = self.min_p[rows]
+            if (min_p > 0.0).any():
+                md.min_p = _tensor(min_p, device)
+            for i in np.nonzero(self.has_generator[rows])[0].tolist():
+                md.generators[i] = self._state(rows[i]).generator  # type: ignore[assignment]
+        k = self.num_logprobs[rows]
+        if (k >= 0).any():
+            md.max_num_logprobs = int(k.max())
+        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        for i in np.nonzero(num_outputs < self.min_tokens[rows])[0].tolist():
+            p = self._state(rows[i]).sampling_params
+            md.banned_token_ids[i] = ([] if p.ignore_eos else list(eos_token_ids)) + list(
+                p.stop_token_ids)
+        for i in np.nonzero(self.needs_penalties[rows])[0].tolist():
+            md.penalties.append(self._penalties(i, int(rows[i])))
+        return md
+
+    def _state(self, row: int) -> CachedRequestState:
+        state = self.states[row]
+        assert state is not None
+        return state
+
+    def _penalties(self, i: int, row: int) -> RowPenalties:
+        p = self._state(row).sampling_params
+        num_prompt, n = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
+        ids = torch.from_numpy(self.token_ids[row, :n].copy())
+        return RowPenalties(i, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                            ids[:num_prompt], ids[num_prompt:])
+
+
+def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values)).to(device)

@@ -33,7 +33,7 @@ from sous.engine.attention import AttentionMetadata
 from sous.engine.input_batch import CachedRequestState, InputBatch
 from sous.engine.kv_cache.manager import cdiv
 from sous.engine.outputs import Logprob
-from sous.engine.sampler import SamplingBatch, sample
+from sous.engine.sampler import sample
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sous.engine.step_inputs import StepInputs, build_step_inputs
 
@@ -207,11 +207,11 @@ class ModelRunner:
         return hidden
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        tables = [self.input_batch.block_table[r, :n].tolist()
-                  for r, n in zip(inputs.rows, inputs.num_blocks(self.block_size), strict=True)]
+        num_blocks = inputs.num_blocks(self.block_size)
+        tables = self.input_batch.block_table[inputs.rows, :max(int(num_blocks.max()), 1)]
         return AttentionMetadata.build(
-            query_lens=inputs.query_lens.tolist(), seq_lens=inputs.seq_lens.tolist(),
-            block_tables=tables, block_size=self.block_size, device=self.device)
+            query_lens=inputs.query_lens, seq_lens=inputs.seq_lens, block_tables=tables,
+            block_size=self.block_size, device=self.device)
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, so: SchedulerOutput,
                 result: ModelRunnerOutput) -> None:
@@ -219,7 +219,9 @@ class ModelRunner:
         states = [self.requests[inputs.req_ids[i]] for i in sampling]
         if so.grammar is not None:
             so.grammar.apply(logits, [s.req_id for s in states])
-        out = sample(logits, self._sampling_batch(states))
+        md = self.input_batch.sampling_metadata(inputs.rows[sampling], logits.shape[1],
+                                                self.device, self.eos_token_ids)
+        out = sample(logits, md)
         sampled = out.sampled.tolist()
         for i, state, token in zip(sampling, states, sampled, strict=True):
             self._append(int(inputs.rows[i]), state, [token])
@@ -254,23 +256,6 @@ class ModelRunner:
         for token in tokens:
             state.output_token_ids.append(token)
             self.input_batch.append_token(row, token)
-
-    def _sampling_batch(self, states: list[CachedRequestState]) -> SamplingBatch:
-        banned = []
-        for s in states:
-            p = s.sampling_params
-            if len(s.output_token_ids) < p.min_tokens:
-                eos = [] if p.ignore_eos else self.eos_token_ids
-                banned.append(list(eos) + list(p.stop_token_ids))
-            else:
-                banned.append([])
-        return SamplingBatch(
-            params=[s.sampling_params for s in states],
-            generators=[s.generator for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            stop_ids_for_min_tokens=banned,
-        )
 
 
 def _collect_logprobs(states: list[CachedRequestState], sampled: list[int],

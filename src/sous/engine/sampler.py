@@ -1,39 +1,57 @@
 """Batched sampling: penalties, temperature, top-k/top-p/min-p, seeds and logprobs.
 
-Pure tensor functions over one step's batch; the only host sync is the caller's `.tolist()`
-of the result. Logprobs are of the raw model distribution (vLLM's default `raw_logprobs`).
+Pure tensor functions over one step's `SamplingMetadata` (tensors gathered from the persistent
+input batch, see `InputBatch.sampling_metadata`); the only host sync is the caller's
+`.tolist()` of the result. Logprobs are of the raw model distribution (vLLM's default
+`raw_logprobs`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-
-from sous.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
 
 @dataclass
-class SamplingBatch:
-    """Per-row sampling settings for the rows of one step's logits (built by the runner)."""
+class RowPenalties:
+    """Penalties of one row that has any (vLLM semantics, see `apply_penalties`)."""
 
-    params: list[SamplingParams]
-    generators: list[torch.Generator | None]
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]
-    stop_ids_for_min_tokens: list[list[int]]
-    """Per row: token ids banned until min_tokens are produced (empty once reached)."""
+    row: int
+    repetition: float
+    frequency: float
+    presence: float
+    prompt_token_ids: torch.Tensor
+    """int64 [P]."""
+    output_token_ids: torch.Tensor
+    """int64 [O]."""
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(p.greedy for p in self.params)
 
-    @property
-    def max_num_logprobs(self) -> int | None:
-        wanted = [p.logprobs for p in self.params if p.logprobs is not None]
-        return max(wanted) if wanted else None
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings for the rows of one step's logits, as tensors (vLLM's name).
+
+    A field is None when no row of the step uses it, so an all-greedy step does no work."""
+
+    all_greedy: bool
+    temperature: torch.Tensor | None = None
+    """float32 [B], 1.0 on greedy rows; None when `all_greedy`."""
+    is_greedy: torch.Tensor | None = None
+    """bool [B]; None when every row is greedy or every row is random."""
+    top_k: torch.Tensor | None = None
+    """int64 [B], the vocabulary size meaning "off"."""
+    top_p: torch.Tensor | None = None
+    """float32 [B], 1.0 meaning "off"."""
+    min_p: torch.Tensor | None = None
+    """float32 [B], 0.0 meaning "off"."""
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    """Row -> the request's seeded generator (rows not listed use the global one)."""
+    penalties: list[RowPenalties] = field(default_factory=list)
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Row -> token ids banned until the request has `min_tokens` outputs."""
+    max_num_logprobs: int | None = None
 
 
 @dataclass
@@ -44,38 +62,31 @@ class SamplerOutput:
     """(sampled logprob [B], sampled rank [B], top ids [B, K], top logprobs [B, K])."""
 
 
-def _rows(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-
-def apply_min_tokens(logits: torch.Tensor, banned: list[list[int]]) -> None:
-    for i, ids in enumerate(banned):
+def apply_min_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
+    for row, ids in banned.items():
         if ids:
-            logits[i, ids] = _NEG_INF
+            logits[row, ids] = _NEG_INF
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, penalties: list[RowPenalties]) -> torch.Tensor:
     """vLLM semantics: repetition over prompt+output (divide positive logits, multiply negative);
     frequency/presence over output tokens only."""
-    rows = [i for i, p in enumerate(batch.params) if p.needs_penalties]
-    if not rows:
-        return logits
     vocab = logits.shape[1]
     device = logits.device
-    for i in rows:
-        p = batch.params[i]
-        out_ids = torch.tensor(batch.output_token_ids[i], dtype=torch.long, device=device)
-        if p.repetition_penalty != 1.0:
+    for p in penalties:
+        i = p.row
+        out_ids = p.output_token_ids.to(device)
+        if p.repetition != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            seen[torch.tensor(batch.prompt_token_ids[i], dtype=torch.long, device=device)] = True
+            seen[p.prompt_token_ids.to(device)] = True
             seen[out_ids] = True
             row = logits[i]
-            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            penalised = torch.where(row > 0, row / p.repetition, row * p.repetition)
             logits[i] = torch.where(seen, penalised, row)
-        if p.frequency_penalty or p.presence_penalty:
+        if p.frequency or p.presence:
             counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
             counts.index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            logits[i] -= p.frequency * counts + p.presence * (counts > 0)
     return logits
 
 
@@ -95,35 +106,27 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def sample_random(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample_random(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Exponential-race sampling: argmax(p / q), q ~ Exp(1); seeded rows use their generator."""
     q = torch.empty_like(probs)
-    if any(g is None for g in generators):
+    if len(generators) < probs.shape[0]:
         q.exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            q[i].exponential_(generator=g)
+    for i, g in generators.items():
+        q[i].exponential_(generator=g)
     return probs.div(q).argmax(dim=-1)
 
 
-def _sample_non_greedy(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    params = batch.params
-    device = logits.device
-    temps = [p.temperature if not p.greedy else 1.0 for p in params]
-    logits = logits / _rows(temps, device)
-    vocab = logits.shape[1]
-    top_k = None
-    if any(0 < p.top_k < vocab for p in params):
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                             dtype=torch.long, device=device)
-    top_p = _rows([p.top_p for p in params], device) if any(p.top_p < 1.0 for p in params) else None
-    if top_k is not None or top_p is not None:
-        logits = apply_top_k_top_p(logits, top_k, top_p)
+def _sample_non_greedy(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    assert md.temperature is not None
+    logits = logits / md.temperature.unsqueeze(1)
+    if md.top_k is not None or md.top_p is not None:
+        top_p = None if md.top_p is None else md.top_p.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, md.top_k, top_p)
     probs = logits.softmax(dim=-1)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = _rows([p.min_p for p in params], device)
+    if md.min_p is not None:
+        min_p = md.min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-    return sample_random(probs, batch.generators)
+    return sample_random(probs, md.generators)
 
 
 def compute_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int):
@@ -134,18 +137,19 @@ def compute_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int):
     return sampled_lp, rank, top_ids, top_lp
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """`logits` [B, V] float32 (mutated). Returns the sampled ids and optional logprobs."""
-    k = batch.max_num_logprobs
+    k = md.max_num_logprobs
     raw_logprobs = logits.log_softmax(dim=-1) if k is not None else None
-    apply_min_tokens(logits, batch.stop_ids_for_min_tokens)
-    logits = apply_penalties(logits, batch)
-    greedy = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        sampled = greedy
+    if md.banned_token_ids:
+        apply_min_tokens(logits, md.banned_token_ids)
+    if md.penalties:
+        logits = apply_penalties(logits, md.penalties)
+    if md.all_greedy:
+        sampled = logits.argmax(dim=-1)
     else:
-        random = _sample_non_greedy(logits, batch)
-        is_greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
-        sampled = torch.where(is_greedy, greedy, random)
+        sampled = _sample_non_greedy(logits, md)
+        if md.is_greedy is not None:
+            sampled = torch.where(md.is_greedy, logits.argmax(dim=-1), sampled)
     logprobs = compute_logprobs(raw_logprobs, sampled, k) if raw_logprobs is not None else None
     return SamplerOutput(sampled, logprobs)
