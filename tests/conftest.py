@@ -12,6 +12,9 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 # Servers the tests start hold their KV cache for real (touched at start): 1 GiB each keeps
 # the suite light on a 24 GiB machine (the CPU default is 4 GiB, as vLLM's).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Engines built inside the pytest process would pin its main thread (and every process it
+# starts later) to one CPU; tests of the binding set VLLM_CPU_OMP_THREADS_BIND themselves.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

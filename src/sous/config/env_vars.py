@@ -50,6 +50,10 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
         if raw not in ("spawn", "fork"):
             raise ValueError(f"VLLM_WORKER_MULTIPROC_METHOD={raw!r}: expected spawn or fork")
         out["worker_multiproc_method"] = raw
+    from sous.engine import cpu_threads
+
+    if any(environ.get(name, "").strip() for name in cpu_threads.ENV_VARS):
+        out["cpu_threads"] = cpu_threads.parse_cpu_threads_env(environ)
     from sous.engine.kv_cache.sub_block import ENV_VAR, env_enabled
 
     if ENV_VAR in environ:  # a bad value: `sous serve` exits 2 naming the variable

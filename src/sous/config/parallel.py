@@ -3,6 +3,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from sous.engine.cpu_threads import CpuThreadsEnv
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -27,3 +29,7 @@ class ParallelConfig:
     """How worker processes are started (from the environment variable
     VLLM_WORKER_MULTIPROC_METHOD, as in vLLM; not a flag). sous defaults to spawn: a fork
     after torch has run its OpenMP threads can deadlock the child."""
+    cpu_threads: CpuThreadsEnv = CpuThreadsEnv()
+    """OpenMP threads and their CPU binding on CPU (from the environment variables
+    VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU and OMP_NUM_THREADS, as in
+    vLLM-CPU; not flags). See `sous.engine.cpu_threads`."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sous.config.engine import EngineConfig
+from sous.engine.cpu_threads import CpuBinding, apply_cpu_threads
 from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sous.models.loader import LoadedModel, load_model
@@ -60,6 +61,14 @@ class Worker:
         self._loaded = loaded
         self.runner: Any = None
         self.loaded: LoadedModel | None = None
+        self.cpu_binding: CpuBinding | None = None
+        """The OpenMP CPU binding (CPU only; None: not bound), applied here, before the model
+        loads, in the process and thread that builds the Worker (`sous.engine.cpu_threads`)."""
+        if self.device.type == "cpu":
+            par = config.parallel
+            self.cpu_binding = apply_cpu_threads(
+                par.cpu_threads, rank=0,
+                world_size=par.tensor_parallel_size * par.pipeline_parallel_size)
 
     def load_model(self) -> ModelInfo:
         loaded = self._loaded or load_model(self.config.model, self.config.load, self.device)
@@ -92,6 +101,8 @@ class Worker:
             max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.cpu_binding is not None:  # steps on another thread use that thread's OpenMP pool
+            self.cpu_binding.follow_current_thread()
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:

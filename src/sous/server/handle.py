@@ -20,6 +20,7 @@ import httpx
 import uvicorn
 
 from sous.config.server import ServerConfig
+from sous.engine.cpu_threads import unpin_current_thread
 from sous.server.api_server import build_app
 from sous.server.guard import drain
 
@@ -55,6 +56,12 @@ class ServerHandle:
         self._thread: threading.Thread | None = None
         self._drain_task: asyncio.Future | None = None
 
+    def _serve(self) -> None:
+        # A thread started by the engine's CPU-pinned thread inherits its one CPU: the front end
+        # runs on the CPUs the OpenMP binding leaves free (all of them when it uses them all).
+        unpin_current_thread()
+        self._server.run(sockets=[self._sock])
+
     @property
     def url(self) -> str:
         """`http://host:port` (no trailing slash)."""
@@ -67,9 +74,7 @@ class ServerHandle:
 
     def start(self, timeout: float = 60.0) -> ServerHandle:
         """Start serving; returns once /health answers 200 (raises TimeoutError otherwise)."""
-        self._thread = threading.Thread(target=self._server.run,
-                                        kwargs={"sockets": [self._sock]},
-                                        name="sous-server", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="sous-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "sous_ops"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.cpp", "gqa.cpp", "index_scores.cpp", "bindings.cpp")
+SOURCES = ("attention.cpp", "gqa.cpp", "index_scores.cpp", "threads.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 
 
@@ -69,6 +70,21 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+STALE_LOCK_S = 600.0
+"""A build lock older than this is left over from a killed build (a cold build takes ~1 min)."""
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """cpp_extension waits forever on the lock file of a build that was killed; drop it."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("sous: removing a stale C++ ops build lock (%s, %.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (if needed) and import the extension; raises if the toolchain fails."""
     from torch.utils import cpp_extension
@@ -76,6 +92,7 @@ def build(verbose: bool = False) -> ModuleType:
     _ensure_ninja_on_path()
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(out / "lock")
     return cpp_extension.load(
         name=NAME,
         sources=[str(CSRC / s) for s in SOURCES],

@@ -10,4 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Store a step's new K/V in a GQA paged cache, then attend every sequence");
   m.def("index_scores", &sous::index_scores,
         "DeepSeek sparse-attention indexer scores over a paged key cache");
+  m.def("pin_omp_threads", &sous::pin_omp_threads,
+        "Pin OpenMP thread t of the calling thread's pool to cpu_sets[t]; returns the placement");
+  m.def("omp_thread_cpus", &sous::omp_thread_cpus,
+        "The CPUs each thread of an n-thread OpenMP team may run on");
 }

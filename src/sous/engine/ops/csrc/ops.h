@@ -1,4 +1,5 @@
-// Entry points of the sous CPU ops extension (see attention.cpp, gqa.cpp, index_scores.cpp).
+// Entry points of the sous CPU ops extension (attention.cpp, gqa.cpp, index_scores.cpp,
+// threads.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,5 +29,13 @@ void index_scores(at::Tensor out, const at::Tensor& q, const at::Tensor& w, cons
                   const at::Tensor& row_token, const at::Tensor& row_seq,
                   const at::Tensor& row_pos, const at::Tensor& block_table, int64_t block_size,
                   double scale);
+
+// OpenMP thread t of the calling thread's pool pinned to cpu_sets[t]; returns each thread's
+// CPUs read back (threads.cpp).
+std::vector<std::vector<int64_t>> pin_omp_threads(
+    const std::vector<std::vector<int64_t>>& cpu_sets);
+
+// The CPUs each thread of a num_threads OpenMP team (of the calling thread's pool) may run on.
+std::vector<std::vector<int64_t>> omp_thread_cpus(int64_t num_threads);
 
 }  // namespace sous
