@@ -30,9 +30,11 @@ class ModelConfig:
     model_impl: Literal["auto", "vllm", "transformers"] = "auto"
     """Model implementation: `auto` and `vllm` both run sous' own implementation of the
     architecture."""
-    quantization: Literal["gguf"] | None = None
+    quantization: Literal["gguf", "int8"] | None = None
     """`gguf`: keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices quantised and run them on torch's
-    int4 CPU kernel (about 4x less memory traffic; bf16 matmul numerics). Default: dequantise
-    every weight on load to --dtype."""
+    int4 CPU kernel (about 4x less memory traffic; bf16 matmul numerics). `int8` (CPU, any
+    model): int8 weights per output channel with dynamic per-token int8 activations on an
+    exact integer matmul (VNNI), as llama.cpp and OpenVINO compute; faster, approximate (the
+    README gives its measured error). Default: dequantise every weight on load to --dtype."""
     chat_template: str | None = None
     """Jinja chat template (file path or inline) overriding the tokenizer's."""

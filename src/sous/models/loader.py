@@ -268,6 +268,21 @@ def _load_folder(path: Path, mc: ModelConfig, lc: LoadConfig, device: torch.devi
     )
 
 
+def _quantize_int8(loaded: LoadedModel, device: torch.device) -> None:
+    """`--quantization int8`: every dense linear of the loaded model becomes W8A8."""
+    from sous.models.layers.int8_linear import quantize_linears
+
+    if device.type != "cpu":
+        raise ConfigError(f"--quantization int8 runs on the CPU only, not on {device}.")
+    if loaded.quantization is not None:
+        raise ConfigError(f"--quantization int8 needs a float checkpoint; this one is "
+                          f"{loaded.quantization}.")
+    n = quantize_linears(loaded.model)
+    loaded.quantization = "int8"
+    logger.info("--quantization int8: %d linear layers as int8 weights with dynamic int8 "
+                "activations", n)
+
+
 def load_model(
     model_config: ModelConfig, load_config: LoadConfig, device: torch.device
 ) -> LoadedModel:
@@ -278,6 +293,8 @@ def load_model(
         loaded = _load_gguf(path, model_config, device)
     else:
         loaded = _load_folder(path, model_config, load_config, device)
+    if model_config.quantization == "int8":
+        _quantize_int8(loaded, device)
     _apply_chat_template_override(loaded.tokenizer, model_config.chat_template)
     if model_config.served_model_name:
         loaded.served_model_name = model_config.served_model_name

@@ -1,0 +1,80 @@
+"""Quality cost of sous' quantised modes on the bundled model, against float32.
+
+Runs one fixed English text (this repository's README, first `--tokens` tokens) through the
+bundled SmolLM2-135M-Instruct GGUF loaded three ways -- float32 (every weight dequantised: the
+reference), `--quantization gguf` (the exact Q4_1/Q8_0 weights on torch's int4 kernel, bf16
+activations) and `--quantization int8` (int8 weights, dynamic int8 activations) -- and prints
+JSON: per mode, perplexity on the text, mean and max absolute logit error against float32
+(relative to the mean absolute float32 logit), and how often the argmax token agrees.
+
+    python benchmarks/quant_quality.py [--tokens 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from sous.config.load import LoadConfig
+from sous.config.model import ModelConfig
+from sous.engine.attention import AttentionMetadata
+from sous.models.loader import load_model
+
+CPU = torch.device("cpu")
+MODES = {"float32": None, "gguf": "gguf", "int8": "int8"}
+
+
+def text_ids(tokenizer, n: int) -> list[int]:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    return tokenizer(text)["input_ids"][:n]
+
+
+@torch.inference_mode()
+def logits_of(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """float32 logits `[len(ids), vocab]` of one prefill over a fresh paged cache."""
+    blocks = (len(ids) + block_size - 1) // block_size
+    caches = model.kv_cache_spec().allocate(blocks, block_size, CPU)
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block_size,
+                                   CPU)
+    hidden = model(torch.tensor(ids), meta.positions, caches, meta)
+    return model.compute_logits(hidden).float()
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    lp = logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
+    return math.exp(-lp.mean().item())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1024)
+    args = ap.parse_args(argv)
+    results, ref, ids = {}, None, None
+    for name, quant in MODES.items():
+        loaded = load_model(ModelConfig(dtype="float32", quantization=quant), LoadConfig(), CPU)
+        ids = ids or text_ids(loaded.tokenizer, args.tokens)
+        logits = logits_of(loaded.model, ids)
+        row = {"perplexity": round(perplexity(logits, ids), 4)}
+        if ref is None:
+            ref = logits
+        else:
+            err = (logits - ref).abs()
+            scale = ref.abs().mean().item()
+            row.update(mean_abs_logit_error=round(err.mean().item(), 4),
+                       mean_abs_logit_error_rel=round(err.mean().item() / scale, 4),
+                       max_abs_logit_error=round(err.max().item(), 3),
+                       argmax_agreement=round(
+                           (logits.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4))
+        results[name] = row
+        del loaded
+    print(json.dumps({"tokens": len(ids or []), "text": "README.md", "modes": results},
+                     indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
