@@ -8,8 +8,9 @@ STAMP := $(VENV)/.setup-stamp
 APT_PACKAGES ?= chromium chromium-driver fonts-nanum g++
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+PEERS_ARGS ?=
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -39,6 +40,12 @@ lint: setup
 
 bench: setup
 	$(BIN)/python benchmarks/serve_vs_transformers.py
+
+# sous against llama.cpp, vLLM CPU, transformers and OpenVINO GenAI (not part of `make test`):
+# builds/installs the peers into .peers/ (skipping what is there), then runs the comparison.
+bench-peers: setup
+	bash benchmarks/peers/setup.sh
+	$(BIN)/python benchmarks/peers.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
