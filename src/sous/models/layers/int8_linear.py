@@ -10,10 +10,16 @@ not depend on the other rows of the batch: greedy output is the same alone and b
 This is the scheme llama.cpp uses for its quantised dot products (activations quantised to 8
 bits) and OpenVINO's default on VNNI CPUs. Its cost in accuracy is measured in the README.
 `quantize_linears` swaps every `DenseLinear` of a loaded model for an `Int8Linear` (the float
-weight is dropped), so model code stays unaware of it.
+weight is dropped), so model code stays unaware of it. With the C++ ops built (`engine/ops/`),
+the activation quantisation and the rescale each run as one fused pass with the same
+arithmetic (bit-identical results); otherwise as the torch ops below.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +27,16 @@ from torch import nn
 from sous.models.layers.linear import DenseLinear
 
 _QMAX = 127.0
+
+
+@functools.cache
+def _ops() -> Any:
+    """The C++ ops module (None on a build failure or with SOUS_ATTENTION=torch)."""
+    if os.environ.get("SOUS_ATTENTION", "").strip().lower() == "torch":
+        return None
+    from sous.engine.ops.build import load
+
+    return load()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,10 +61,15 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x8, x_scale = quantize_rows(x)
-        y = torch._int_mm(x8, self.w8_t).float().mul_(x_scale).mul_(self.w_scale)
-        if self.bias is not None:
-            y += self.bias
+        ops = _ops() if x.device.type == "cpu" else None
+        if ops is None:
+            x8, x_scale = quantize_rows(x)
+            y = torch._int_mm(x8, self.w8_t).float().mul_(x_scale).mul_(self.w_scale)
+            if self.bias is not None:
+                y += self.bias
+            return y.to(x.dtype)
+        x8, x_scale = ops.quantize_rows_int8(x.float().contiguous())
+        y = ops.rescale_int32(torch._int_mm(x8, self.w8_t), x_scale, self.w_scale, self.bias)
         return y.to(x.dtype)
 
 

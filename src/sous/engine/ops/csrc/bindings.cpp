@@ -14,4 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Pin OpenMP thread t of the calling thread's pool to cpu_sets[t]; returns the placement");
   m.def("omp_thread_cpus", &sous::omp_thread_cpus,
         "The CPUs each thread of an n-thread OpenMP team may run on");
+  m.def("quantize_rows_int8", &sous::quantize_rows_int8,
+        "Per-row symmetric int8 quantisation of a float32 matrix: (int8, scale [M, 1])");
+  m.def("rescale_int32", &sous::rescale_int32,
+        "float(acc) * x_scale[row] * w_scale[col] (+ bias) for an int32 matmul result");
 }

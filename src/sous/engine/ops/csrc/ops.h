@@ -1,11 +1,12 @@
 // Entry points of the sous CPU ops extension (attention.cpp, gqa.cpp, index_scores.cpp,
-// threads.cpp).
+// threads.cpp, quant.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace sous {
@@ -37,5 +38,13 @@ std::vector<std::vector<int64_t>> pin_omp_threads(
 
 // The CPUs each thread of a num_threads OpenMP team (of the calling thread's pool) may run on.
 std::vector<std::vector<int64_t>> omp_thread_cpus(int64_t num_threads);
+
+// Per-row symmetric int8 quantisation of a float32 [M, K] tensor: (int8 [M, K], scale [M, 1])
+// (quant.cpp).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
+
+// float32 [M, N] = float(acc) * x_scale[row] * w_scale[col] (+ bias[col]) (quant.cpp).
+at::Tensor rescale_int32(const at::Tensor& acc, const at::Tensor& x_scale,
+                         const at::Tensor& w_scale, const std::optional<at::Tensor>& bias);
 
 }  // namespace sous
