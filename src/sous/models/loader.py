@@ -8,10 +8,11 @@ else float32; on CUDA the checkpoint's dtype, with float32 checkpoints run in bf
 where bf16 is unsupported), as vLLM does. GGUF files are dequantised on load to
 that dtype (exact numerics, as transformers computes them). With `--quantization gguf` their
 Q4_0/Q4_1/Q8_0 matrices stay quantised and run on torch's int4 CPU kernel (bf16 matmul numerics,
-about 4x less memory traffic than float32; ~1.7x faster single-sequence decode for SmolLM2);
-models whose dense form fits in `SOUS_GGUF_DENSE_COPY_MAX_BYTES` (default 2 GiB) also keep dense
-copies, used for batches of >= 16 rows (>= 8 for the two-plane Q8_0 lm_head) where MKL is
-faster, so results can then depend on batch size. Quantised safetensors checkpoints (FP8 block,
+about 4x less memory traffic than float32; ~2.8x faster single-sequence decode for SmolLM2).
+The int4 kernel computes each row on its own, so results do not depend on the batch. Opt-in:
+models whose dense form fits in `SOUS_GGUF_DENSE_COPY_MAX_BYTES` (default 0: none) also keep
+dense copies, used for batches of >= 16 rows (>= 8 for the two-plane Q8_0 lm_head), which is
+faster on CPUs without bf16 but costs the memory and makes results depend on batch size. Quantised safetensors checkpoints (FP8 block,
 ModelOpt and compressed-tensors NVFP4; see `sous.models.quant`) are dequantised on load.
 """
 
@@ -190,9 +191,9 @@ def _load_gguf(path: Path, mc: ModelConfig, device: torch.device) -> LoadedModel
     keep_quantized = mc.quantization == "gguf"
     if keep_quantized and not int4_kernel_available(device):
         raise ConfigError(f"--quantization gguf needs torch's int4 kernel, not available on {device}.")
-    # Small models also keep dense copies for prefill-sized batches (see Int4Linear).
-    limit = int(os.environ.get("SOUS_GGUF_DENSE_COPY_MAX_BYTES", 2 << 30))
-    dense_fallback = keep_quantized and gg.dense_bytes(reader, dtype) <= limit
+    # Opt-in dense copies for batches of many rows (see Int4Linear and the module docstring).
+    limit = int(os.environ.get("SOUS_GGUF_DENSE_COPY_MAX_BYTES", 0))
+    dense_fallback = keep_quantized and 0 < gg.dense_bytes(reader, dtype) <= limit
     model = _build_model(hf_config, dtype, device)
     weights = gg.iter_weights(reader, hf_config, dtype, keep_quantized, dense_fallback)
     model.load_weights(_progress(weights, len(reader.tensors), "Loading GGUF weights"))  # type: ignore[operator]
