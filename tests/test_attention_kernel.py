@@ -114,6 +114,38 @@ def test_prefill_only_and_prefix_hits(monkeypatch, backend):
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_cpp_rows_do_not_depend_on_the_step_shape(monkeypatch, group):
+    """A query row gets bit-identical output whether its sequence is prefilled in one step, in
+    chunks, one token at a time, or next to other sequences (batch invariance: greedy output
+    must not change with chunked prefill or after preemption)."""
+    _backend(monkeypatch, "cpp")
+    g = torch.Generator().manual_seed(7)
+    bs, hkv, d, n = 16, 2, 64, 150
+    q = torch.randn((n, hkv * group, d), generator=g)
+    k, v = torch.randn((n, hkv, d), generator=g), torch.randn((n, hkv, d), generator=g)
+    table = list(range((n + bs - 1) // bs))
+
+    def run(cuts: list[int], neighbour: bool) -> torch.Tensor:
+        kv_cache = torch.zeros((2, len(table) + 20, bs, hkv, d))
+        outs = []
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            qlens, slens, tables = [b - a], [b], [table]
+            qs, ks, vs = q[a:b], k[a:b], v[a:b]
+            if neighbour:  # another sequence (a 5-token prefill) in the same step
+                qlens, slens, tables = [5, *qlens], [5, *slens], [[len(table)], table]
+                qs, ks, vs = (torch.cat([x[:5] * 0.5, x[a:b]]) for x in (q, k, v))
+            meta = AttentionMetadata.build(qlens, slens, tables, bs, CPU)
+            out = paged_attention(qs, ks, vs, kv_cache, meta, d**-0.5)
+            outs.append(out[-(b - a):])
+        return torch.cat(outs)
+
+    whole = run([0, n], False)
+    assert torch.equal(run([0, 5, 64, 65, 129, n], False), whole)
+    assert torch.equal(run(list(range(n + 1)), False), whole)
+    assert torch.equal(run([0, 70, 71, n], True), whole)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bs", [4, 16])
 def test_fp8_cache_with_scales(monkeypatch, backend, bs):

@@ -130,16 +130,17 @@ def test_smollm_gguf_matches_transformers(smollm_prompt):
 
 
 def test_smollm_int4_path_close_to_dense(smollm_prompt):
-    """`--quantization gguf` on CPU: exact Q4 weights, bf16 matmul numerics."""
+    """`--quantization gguf` on CPU: exact Q4 weights; int8 block activations (qgemm) or
+    bf16 matmul numerics (torch's int4 kernel)."""
     dense, ids, ref = smollm_prompt
     if not int4_kernel_available(CPU):
         pytest.skip("torch's int4 CPU kernel is not available on this machine")
     loaded = load_model(ModelConfig(quantization="gguf"), LoadConfig(), CPU)
-    assert loaded.quantization == "gguf-int4"
+    assert loaded.quantization == "gguf"
     runner = PagedRunner(loaded.model, block_size=16)
     ours = runner.step({0: ids})[0]
     cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
-    assert cos.min() > 0.995, cos
+    assert cos.median() > 0.999 and cos.min() > 0.99, cos  # qgemm measured: 0.9997 / 0.9935
     top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
     assert top1 >= 0.85, top1
     # the reference's top-1 is always within our top-5

@@ -61,7 +61,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     model_path: str
     quantization: str | None = None
-    """"gguf-int4" when GGUF matrices run quantised on the int4 kernel; for a quantised
+    """"gguf" when GGUF matrices run quantised (qgemm, or torch's int4 kernel); for a quantised
     safetensors checkpoint (dequantised on load): "fp8" (block or per-tensor),
     "modelopt-fp8", "modelopt-nvfp4", "modelopt-mixed" (per-layer NVFP4 / FP8) or
     "compressed-tensors-nvfp4"; else None."""
@@ -209,7 +209,7 @@ def _load_gguf(path: Path, mc: ModelConfig, device: torch.device) -> LoadedModel
         max_position_embeddings=int(hf_config.max_position_embeddings),
         eos_token_ids=eos,
         model_path=str(path),
-        quantization="gguf-int4" if keep_quantized else None,
+        quantization="gguf" if keep_quantized else None,
     )
 
 

@@ -4,8 +4,9 @@
 x86 CPUs MKL is several times faster this way than `F.linear` for the 2-32 row inputs of a
 decode batch.
 
-`Int4Linear` runs group-quantised 4-bit weights (GGUF Q4_0 / Q4_1 exactly, Q8_0 as the sum of
-two 4-bit planes) through torch's CPU int4 weight-only kernel. That kernel is fast only with
+Group-quantised weights (GGUF Q4_0 / Q4_1 exactly, Q8_0 as the sum of two 4-bit planes) run on
+sous' `qgemm` kernel (`BlockQuantLinear`, llama.cpp's numerics) where the CPU has AVX-512 VNNI;
+elsewhere `Int4Linear` runs them through torch's CPU int4 weight-only kernel. That kernel is fast only with
 bfloat16 activations, so inputs are rounded to bfloat16 and outputs come back in the caller's
 dtype: the numerics are those of a bfloat16 matmul over the exact quantised weights.
 """
@@ -147,18 +148,22 @@ def make_linear(
 ) -> nn.Module:
     """One linear computing the given weights (stacked along the output dimension) fused.
 
-    Uses `Int4Linear` when every part is a `GroupQuantWeight` with the same plane count and the
-    int4 kernel is available on `device`; otherwise dense in `dtype`."""
+    When every part is a `GroupQuantWeight` with the same plane count: `BlockQuantLinear` where
+    `qgemm` runs on `device`, else `Int4Linear` where torch's int4 kernel is available;
+    otherwise dense in `dtype`."""
     bias = None
     if biases is not None:
         bias = torch.cat([b.to(device=device, dtype=dtype) for b in biases])
-    quant = all(isinstance(w, GroupQuantWeight) for w in weights)
-    if quant and int4_kernel_available(device):
-        qs = [w for w in weights if isinstance(w, GroupQuantWeight)]
-        if len({len(w.planes) for w in qs}) == 1:
-            n, k = sum(w.shape[0] for w in qs), qs[0].shape[1]
-            if n % 16 == 0 and k % GROUP_SIZE == 0:
-                return Int4Linear(GroupQuantWeight.cat(qs), bias, dtype)
+    qs = [w for w in weights if isinstance(w, GroupQuantWeight)]
+    if len(qs) == len(weights) and len({len(w.planes) for w in qs}) == 1:
+        from sous.models.layers.qgemm_linear import BlockQuantLinear, qgemm_ops
+
+        fused = GroupQuantWeight.cat(qs)
+        n, k = fused.shape
+        if k % GROUP_SIZE == 0 and qgemm_ops(device) is not None:
+            return BlockQuantLinear(fused, bias)
+        if n % 16 == 0 and k % GROUP_SIZE == 0 and int4_kernel_available(device):
+            return Int4Linear(fused, bias, dtype)
     dense = [
         w.dequantize(dtype) if isinstance(w, GroupQuantWeight) else w.to(dtype) for w in weights
     ]

@@ -26,7 +26,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 constexpr int kChunk = 64;     // keys per online-softmax step
 constexpr int kRowBlock = 4;   // query rows of one head that share key/value loads
-constexpr int kTransposeRows = 8;  // a head with this many rows in an item gets transposed keys
 
 struct Item {
   int32_t seq, h0, h1, t0, t1;
@@ -49,7 +48,7 @@ struct Args {
 };
 
 struct Scratch {
-  std::vector<float> o, mx, l, p, kbuf, vbuf, kt;
+  std::vector<float> o, mx, l, p, kbuf, vbuf;
   std::vector<const float*> kp, vp;
   std::vector<int32_t> pos;
 };
@@ -113,31 +112,19 @@ void load_chunk(const Args& a, const Item& it, int c0, int n, int nkeys, const i
     prefetch_rows(a, it, c0 + kChunk, std::min(nkeys, c0 + 2 * kChunk), sel);
 }
 
-// kt[k * 64 + j] = kp[j][k] (j < n), 0 for n <= j < 64.
-void transpose_keys(const float* const* kp, int n, int d, float* kt) {
-  for (int k = 0; k < d; ++k) {
-    float* row = kt + static_cast<int64_t>(k) * kChunk;
-    for (int j = 0; j < n; ++j) row[j] = kp[j][k];
-    for (int j = n; j < kChunk; ++j) row[j] = 0.f;
-  }
-}
-
-// Online-softmax update of R rows of one head with the chunk's keys: scores (transposed keys
-// when kt != nullptr), running max/sum, rescale, P.V. lims[i] = visible keys of row i (> 0 for
-// at least one row).
+// Online-softmax update of R rows of one head with the chunk's keys: scores, running max/sum,
+// rescale, P.V. lims[i] = visible keys of row i (> 0 for at least one row). Each row's
+// arithmetic is the same whatever R and whichever rows share the block, so a query row gets
+// the same result in a decode step, a prefill or a prefill chunk (batch-invariant output).
 template <int R>
-void block_update(const Args& a, const float* const* qr, const int* lims, const float* kt,
+void block_update(const Args& a, const float* const* qr, const int* lims,
                   const float* const* kp, const float* const* vp, Scratch& s, int r0) {
   float* P = s.p.data();
   int nmax = 0;
   for (int i = 0; i < R; ++i) nmax = std::max(nmax, lims[i]);
-  if (kt != nullptr) {
-    scores_t<R>(qr, kt, a.dk, a.scale, P, kChunk);
-  } else {
-    for (int i = 0; i < R; ++i)
-      for (int g = 0; g < lims[i]; g += 16)
-        scores16(qr[i], kp + g, a.dk, a.scale, P + i * kChunk + g);
-  }
+  for (int i = 0; i < R; ++i)
+    for (int g = 0; g < lims[i]; g += 16)
+      scores16(qr[i], kp + g, a.dk, a.scale, P + i * kChunk + g);
   float* orow[R];
   for (int i = 0; i < R; ++i) {
     const int r = r0 + i, lim = lims[i];
@@ -165,11 +152,6 @@ void head_update(const Args& a, const Item& it, int hh, int c0, int n, int ctx, 
   const int rows_h = (it.t1 - it.t0) * G;
   const float* const* kp = s.kp.data() + static_cast<int64_t>(hh) * kChunk;
   const float* const* vp = s.vp.data() + static_cast<int64_t>(hh) * kChunk;
-  const float* kt = nullptr;
-  if (rows_h >= kTransposeRows) {
-    transpose_keys(kp, n, a.dk, s.kt.data());
-    kt = s.kt.data();
-  }
   const int qh0 = (it.h0 + hh) * G;
   for (int rb = 0; rb < rows_h; rb += kRowBlock) {
     const int R = std::min(kRowBlock, rows_h - rb);
@@ -185,10 +167,10 @@ void head_update(const Args& a, const Item& it, int hh, int c0, int n, int ctx, 
     if (!any) continue;
     const int r0 = hh * rows_h + rb;
     switch (R) {
-      case 4: block_update<4>(a, qr, lims, kt, kp, vp, s, r0); break;
-      case 3: block_update<3>(a, qr, lims, kt, kp, vp, s, r0); break;
-      case 2: block_update<2>(a, qr, lims, kt, kp, vp, s, r0); break;
-      default: block_update<1>(a, qr, lims, kt, kp, vp, s, r0); break;
+      case 4: block_update<4>(a, qr, lims, kp, vp, s, r0); break;
+      case 3: block_update<3>(a, qr, lims, kp, vp, s, r0); break;
+      case 2: block_update<2>(a, qr, lims, kp, vp, s, r0); break;
+      default: block_update<1>(a, qr, lims, kp, vp, s, r0); break;
     }
   }
 }
@@ -211,7 +193,6 @@ void run_item(const Args& a, const Item& it, Scratch& s) {
   s.p.resize(kRowBlock * kChunk);
   s.kp.resize(static_cast<size_t>(heads) * kChunk);
   s.vp.resize(static_cast<size_t>(heads) * kChunk);
-  if (rows_h >= kTransposeRows) s.kt.resize(static_cast<size_t>(a.dk) * kChunk);
   if (a.k.type != KvType::F32) s.kbuf.resize(static_cast<size_t>(heads) * kChunk * a.dk);
   if (a.v.type != KvType::F32 && !a.v_in_k)
     s.vbuf.resize(static_cast<size_t>(heads) * kChunk * a.dv);

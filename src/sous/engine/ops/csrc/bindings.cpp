@@ -18,4 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per-row symmetric int8 quantisation of a float32 matrix: (int8, scale [M, 1])");
   m.def("rescale_int32", &sous::rescale_int32,
         "float(acc) * x_scale[row] * w_scale[col] (+ bias) for an int32 matmul result");
+  m.def("qgemm", &sous::qgemm,
+        "x @ W^T for block-quantised W (GGUF Q4_0/Q4_1/Q8_0) with int8 block activations");
+  m.def("qgemm_i8", &sous::qgemm_i8,
+        "x @ W^T for per-channel int8 W with per-row int8 activations (exact int32 sums)");
+  m.def("qgemm_vnni", &sous::qgemm_vnni, "True when qgemm runs on AVX-512 VNNI");
 }

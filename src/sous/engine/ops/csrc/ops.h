@@ -1,5 +1,5 @@
 // Entry points of the sous CPU ops extension (attention.cpp, gqa.cpp, index_scores.cpp,
-// threads.cpp, quant.cpp).
+// threads.cpp, quant.cpp, qgemm.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -46,5 +46,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 // float32 [M, N] = float(acc) * x_scale[row] * w_scale[col] (+ bias[col]) (quant.cpp).
 at::Tensor rescale_int32(const at::Tensor& acc, const at::Tensor& x_scale,
                          const at::Tensor& w_scale, const std::optional<at::Tensor>& bias);
+
+// y [M, N] (x's dtype) = x [M, K] @ W^T for block-quantised W (W = q * wd + wm per block of
+// 32, q `bits` 4 or 8, packed), x quantised to int8 per block of 32 (qgemm.cpp).
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wd,
+                 const at::Tensor& wm, int64_t n, int64_t bits,
+                 const std::optional<at::Tensor>& bias);
+
+// y [M, N] (x's dtype) = x [M, K] @ W^T for W = (q - 128) * ws[n] (q packed uint8), x quantised
+// to int8 per row; bit-identical to quantize_rows_int8 + an int32 matmul + rescale_int32.
+at::Tensor qgemm_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws, int64_t n,
+                    const std::optional<at::Tensor>& bias);
+
+// True when qgemm runs on AVX-512 VNNI (else a slow portable form).
+bool qgemm_vnni();
 
 }  // namespace sous

@@ -223,46 +223,6 @@ inline void scale_n(float* x, int n, float a) {
   for (int i = 0; i < n; ++i) x[i] *= a;
 }
 
-// S[i][0:64] = scale * (q[i] . kt[:, 0:64]) for the R rows q[i] (R <= 4), kt the keys of a chunk
-// transposed: kt[k * 64 + j] = key j, element k (k < d).
-template <int R>
-inline void scores_t(const float* const* q, const float* kt, int d, float scale, float* S,
-                     int lds) {
-#ifdef SOUS_AVX512
-  __m512 acc[R][4];
-  for (int i = 0; i < R; ++i)
-    for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_setzero_ps();
-  for (int k = 0; k < d; ++k) {
-    const float* row = kt + static_cast<int64_t>(k) * 64;
-    const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
-    const __m512 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
-    for (int i = 0; i < R; ++i) {
-      const __m512 qb = _mm512_set1_ps(q[i][k]);
-      acc[i][0] = _mm512_fmadd_ps(qb, k0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(qb, k1, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(qb, k2, acc[i][2]);
-      acc[i][3] = _mm512_fmadd_ps(qb, k3, acc[i][3]);
-    }
-  }
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (int i = 0; i < R; ++i)
-    for (int g = 0; g < 4; ++g)
-      _mm512_storeu_ps(S + i * lds + 16 * g, _mm512_mul_ps(acc[i][g], vs));
-#else
-  for (int i = 0; i < R; ++i) {
-    float* s = S + i * lds;
-    for (int j = 0; j < 64; ++j) s[j] = 0.f;
-    for (int k = 0; k < d; ++k) {
-      const float qk = q[i][k];
-      const float* row = kt + static_cast<int64_t>(k) * 64;
-#pragma omp simd
-      for (int j = 0; j < 64; ++j) s[j] += qk * row[j];
-    }
-    for (int j = 0; j < 64; ++j) s[j] *= scale;
-  }
-#endif
-}
-
 // o[i][0:dv] += sum_{j<n} P[i][j] * v[j][0:dv] for the R rows (R <= 4; V loads shared).
 template <int R>
 inline void axpy_rows_multi(float* const* o, const float* P, int ldp, const float* const* v,

@@ -1,0 +1,335 @@
+// Quantised GEMMs on AVX-512 VNNI (`vpdpbusd`: unsigned 8-bit weights times signed 8-bit
+// activations, exact int32 sums), for the two weight formats sous serves:
+//
+// * block (`qgemm`): llama.cpp's numerics for GGUF Q4_0 / Q4_1 / Q8_0 --
+//     W[n, k] = q[n, k] * wd[n, b] + wm[n, b]          (b = k / 32; q unsigned, 4 or 8 bits)
+//     x[m, k] ~ xq[m, k] * xd[m, b]                    (xq int8, xd = max|x| / 127 per block)
+//     y[m, n] = sum_b (q . xq)_b * (wd[n, b] * xd[m, b]) + wm[n, b] * xs[m, b]
+//   with xs = xd * sum(xq) per block (llama.cpp's Q8_1 `s`);
+// * per channel (`qgemm_i8`): W[n, k] = (q[n, k] - 128) * ws[n], x[m, k] ~ xq[m, k] * xd[m]:
+//     y[m, n] = float(q . xq - 128 * sum(xq)) * xd[m] * ws[n]     (one int32 sum over K).
+//
+// Packed weight layout (`sous.models.layers.qgemm_linear.pack_weights`): output rows in groups
+// of 16 (the last padded with zeros); per group and block of 32, eight 4-byte steps of all 16
+// rows, so that lane l of one `vpdpbusd` adds 4 products of row 16 g + l and eight steps leave
+// each lane holding its row's block dot product: 512 bytes per (group, block) for 8 bits; for
+// 4 bits 256 bytes, steps s and s + 4 sharing bytes (low and high nibbles).
+//
+// Every output is computed by the same instruction sequence whatever the number of rows or
+// which rows share a tile, so a row's result does not depend on the batch it is in.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define SOUS_QGEMM_VNNI 1
+#endif
+
+namespace sous {
+namespace {
+
+constexpr int64_t QK = 32;       // elements per block
+constexpr int64_t LANES = 16;    // output rows per group
+constexpr int64_t M_BLOCK = 64;  // activation rows per pass over a thread's weights (fit L2)
+
+// A call's activations quantised to int8: q [M, K]; per block (block mode) d [M, nb] and
+// s = d * sum(q) [M, nb]; per row (per-channel mode) d [M] and s = sum(q) [M].
+struct QuantAct {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t k = 0, nb = 0;
+};
+
+template <typename T>
+float at_f32(const T* x, int64_t i) {
+  return static_cast<float>(x[i]);
+}
+
+// Block mode: q = round(x / d), d = max|x| / 127 per block of 32 (llama.cpp's Q8_1).
+template <typename T>
+void quantize_blocks(const T* x, int64_t k, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < k / QK; ++b) {
+    float amax = 0.f;
+    for (int64_t i = b * QK; i < (b + 1) * QK; ++i) amax = std::fmax(amax, std::fabs(at_f32(x, i)));
+    const float db = amax / 127.f;
+    const float id = db > 0.f ? 1.f / db : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = b * QK; i < (b + 1) * QK; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(at_f32(x, i) * id));
+      q[i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = db;
+    s[b] = db * static_cast<float>(sum);
+  }
+}
+
+// Per-channel mode: q = round-half-even(x / d), d = max|x| / 127 per row (1 for a zero row):
+// the arithmetic of quantize_rows_int8 (quant.cpp).
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::fmax(amax, std::fabs(at_f32(x, i)));
+  const float dr = amax > 0.f ? amax / 127.f : 1.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(at_f32(x, i) / dr));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = dr;
+  *s = static_cast<float>(sum);
+}
+
+QuantAct quantize(const at::Tensor& x, bool per_block) {
+  QuantAct a;
+  const int64_t m = x.size(0);
+  a.k = x.size(1);
+  a.nb = a.k / QK;
+  const int64_t per_row = per_block ? a.nb : 1;
+  a.q.resize(m * a.k);
+  a.d.resize(m * per_row);
+  a.s.resize(m * per_row);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* q = a.q.data() + r * a.k;
+      float* d = a.d.data() + r * per_row;
+      float* s = a.s.data() + r * per_row;
+      if (bf16) {
+        const c10::BFloat16* xr = x.data_ptr<c10::BFloat16>() + r * a.k;
+        per_block ? quantize_blocks(xr, a.k, q, d, s) : quantize_row(xr, a.k, q, d, s);
+      } else {
+        const float* xr = x.data_ptr<float>() + r * a.k;
+        per_block ? quantize_blocks(xr, a.k, q, d, s) : quantize_row(xr, a.k, q, d, s);
+      }
+    }
+  });
+  return a;
+}
+
+// One call's operands (read-only, shared by all threads) and its output.
+struct Problem {
+  const QuantAct* a;
+  const uint8_t* w;  // packed weights (see the file comment)
+  const float* wd;   // block: [G, nb, 16] scales; per channel: [N] scales
+  const float* wm;   // block: [G, nb, 16] minimums; per channel: unused
+  const float* bias;
+  int64_t n, bits, block_bytes;
+  bool per_block;
+  at::ScalarType out_type;
+  void* y;
+};
+
+// y[m, n0 + l] = v[l] (+ bias) for the lanes that are real rows.
+void store(const Problem& p, int64_t m, int64_t n0, const float* v) {
+  const int64_t count = std::min(LANES, p.n - n0);
+  for (int64_t l = 0; l < count; ++l) {
+    const float out = p.bias != nullptr ? v[l] + p.bias[n0 + l] : v[l];
+    if (p.out_type == at::kBFloat16) {
+      static_cast<c10::BFloat16*>(p.y)[m * p.n + n0 + l] = c10::BFloat16(out);
+    } else {
+      static_cast<float*>(p.y)[m * p.n + n0 + l] = out;
+    }
+  }
+}
+
+#ifdef SOUS_QGEMM_VNNI
+// The eight 4-byte steps of one (group, block) of weights, as unsigned bytes.
+inline void load_steps(const uint8_t* src, int64_t bits, __m512i* w) {
+  if (bits == 8) {
+    for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(src + 64 * s);
+    return;
+  }
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  for (int s = 0; s < 4; ++s) {
+    const __m512i v = _mm512_loadu_si512(src + 64 * s);
+    w[s] = _mm512_and_si512(v, lo4);
+    w[s + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+  }
+}
+
+// Exact int32 block dot of each lane's row with activation block `x` (32 int8), added to acc.
+inline __m512i block_dot(__m512i acc, const __m512i* w, const int8_t* x) {
+  for (int s = 0; s < 8; ++s) {
+    int32_t four;
+    std::memcpy(&four, x + 4 * s, 4);
+    acc = _mm512_dpbusd_epi32(acc, w[s], _mm512_set1_epi32(four));
+  }
+  return acc;
+}
+
+// Outputs [m0, m0 + MT) x group g (16 rows).
+template <int MT>
+void tile(const Problem& p, int64_t m0, int64_t g) {
+  const QuantAct& a = *p.a;
+  const uint8_t* wg = p.w + g * a.nb * p.block_bytes;
+  __m512 acc[MT];
+  __m512i iacc[MT];
+  for (int i = 0; i < MT; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    iacc[i] = _mm512_setzero_si512();
+  }
+  __m512i w[8];
+  for (int64_t b = 0; b < a.nb; ++b) {
+    load_steps(wg + b * p.block_bytes, p.bits, w);
+    if (p.per_block) {
+      const __m512 wd = _mm512_loadu_ps(p.wd + (g * a.nb + b) * LANES);
+      const __m512 wm = _mm512_loadu_ps(p.wm + (g * a.nb + b) * LANES);
+      for (int i = 0; i < MT; ++i) {
+        const int64_t r = (m0 + i) * a.nb + b;
+        const __m512i dot = block_dot(_mm512_setzero_si512(), w, a.q.data() + (m0 + i) * a.k + b * QK);
+        const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(a.d[r]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+        acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.s[r]), acc[i]);
+      }
+    } else {
+      for (int i = 0; i < MT; ++i) iacc[i] = block_dot(iacc[i], w, a.q.data() + (m0 + i) * a.k + b * QK);
+    }
+  }
+  alignas(64) float out[LANES];
+  for (int i = 0; i < MT; ++i) {
+    if (!p.per_block) {  // float(acc - 128 sum(xq)) * xd[m] * ws[n]
+      const int32_t offset = 128 * static_cast<int32_t>(a.s[m0 + i]);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[i], _mm512_set1_epi32(offset)));
+      const __mmask16 mask = static_cast<__mmask16>((1u << std::min(LANES, p.n - g * LANES)) - 1u);
+      acc[i] = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(a.d[m0 + i])),
+                             _mm512_maskz_loadu_ps(mask, p.wd + g * LANES));
+    }
+    _mm512_store_ps(out, acc[i]);
+    store(p, m0 + i, g * LANES, out);
+  }
+}
+#else
+// Portable form (no VNNI): the same integer dots and float operations, one lane at a time.
+template <int MT>
+void tile(const Problem& p, int64_t m0, int64_t g) {
+  const QuantAct& a = *p.a;
+  for (int i = 0; i < MT; ++i) {
+    const int64_t m = m0 + i;
+    float out[LANES];
+    for (int64_t l = 0; l < LANES; ++l) {
+      float acc = 0.f;
+      int32_t iacc = 0;
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const uint8_t* src = p.w + (g * a.nb + b) * p.block_bytes;
+        int32_t dot = 0;
+        for (int64_t e = 0; e < QK; ++e) {
+          const int64_t s = e / 4, j = e % 4;
+          const uint8_t q = p.bits == 8 ? src[64 * s + 4 * l + j]
+                                        : (src[64 * (s % 4) + 4 * l + j] >> (s < 4 ? 0 : 4)) & 0x0F;
+          dot += int32_t(q) * int32_t(a.q[m * a.k + b * QK + e]);
+        }
+        if (p.per_block) {
+          const int64_t wi = (g * a.nb + b) * LANES + l, r = m * a.nb + b;
+          acc = std::fma(static_cast<float>(dot), p.wd[wi] * a.d[r], acc);
+          acc = std::fma(p.wm[wi], a.s[r], acc);
+        } else {
+          iacc += dot;
+        }
+      }
+      if (!p.per_block) {
+        const int64_t n = std::min(g * LANES + l, p.n - 1);
+        acc = static_cast<float>(iacc - 128 * static_cast<int32_t>(a.s[m])) * a.d[m] * p.wd[n];
+      }
+      out[l] = acc;
+    }
+    store(p, m, g * LANES, out);
+  }
+}
+#endif
+
+void run(const Problem& p, int64_t m) {
+  const int64_t groups = (p.n + LANES - 1) / LANES;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t m0 = 0; m0 < m; m0 += M_BLOCK) {
+      const int64_t m1 = std::min(m, m0 + M_BLOCK);
+      for (int64_t g = g0; g < g1; ++g) {
+        int64_t r = m0;
+        for (; r + 4 <= m1; r += 4) tile<4>(p, r, g);
+        for (; r < m1; ++r) tile<1>(p, r, g);
+      }
+    }
+  });
+}
+
+void check_x(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "qgemm: x must be a contiguous 2-D float32 or bfloat16 tensor");
+  TORCH_CHECK(x.size(1) == k, "qgemm: x has ", x.size(1), " columns, the weight ", k);
+}
+
+const float* bias_ptr(const std::optional<at::Tensor>& bias, at::Tensor& keep, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  keep = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(keep.numel() == n, "qgemm: bias must have N elements");
+  return keep.data_ptr<float>();
+}
+
+}  // namespace
+
+bool qgemm_vnni() {
+#ifdef SOUS_QGEMM_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wd,
+                 const at::Tensor& wm, int64_t n, int64_t bits,
+                 const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
+                  w.size(2) == 16 * bits * 4 && w.size(0) == (n + LANES - 1) / LANES,
+              "qgemm: w must be packed contiguous uint8 [N / 16, K / 32, 64 * bits]");
+  const int64_t k = w.size(1) * QK;
+  check_x(x, k);
+  for (const at::Tensor* t : {&wd, &wm}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == w.size(0) * w.size(1) * LANES,
+                "qgemm: scales must be contiguous float32 [N / 16, K / 32, 16]");
+  }
+  at::Tensor keep;
+  const float* bp = bias_ptr(bias, keep, n);
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0 || n == 0) return y;
+  const QuantAct a = quantize(x, true);
+  run(Problem{&a, w.data_ptr<uint8_t>(), wd.data_ptr<float>(), wm.data_ptr<float>(), bp, n,
+              bits, w.size(2), true, x.scalar_type(), y.data_ptr()},
+      x.size(0));
+  return y;
+}
+
+at::Tensor qgemm_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws, int64_t n,
+                    const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
+                  w.size(2) == 512 && w.size(0) == (n + LANES - 1) / LANES,
+              "qgemm_i8: w must be packed contiguous uint8 [N / 16, K / 32, 512]");
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == n,
+              "qgemm_i8: ws must be contiguous float32 [N]");
+  const int64_t k = w.size(1) * QK;
+  check_x(x, k);
+  at::Tensor keep;
+  const float* bp = bias_ptr(bias, keep, n);
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0 || n == 0) return y;
+  const QuantAct a = quantize(x, false);
+  run(Problem{&a, w.data_ptr<uint8_t>(), ws.data_ptr<float>(), nullptr, bp, n, 8, 512, false,
+              x.scalar_type(), y.data_ptr()},
+      x.size(0));
+  return y;
+}
+
+}  // namespace sous

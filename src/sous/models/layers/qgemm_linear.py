@@ -1,0 +1,105 @@
+"""`BlockQuantLinear`: GGUF Q4_0 / Q4_1 / Q8_0 weights on the `qgemm` C++ kernel, llama.cpp's
+numerics (block-quantised weights times activations quantised to int8 per block of 32).
+
+The kernel (`engine/ops/csrc/qgemm.cpp`) needs AVX-512 VNNI; `qgemm_available` says whether
+this machine has it (elsewhere `make_linear` keeps torch's int4 kernel). Weights are packed
+once at load (`pack_weights`): output rows in groups of 16, interleaved in 4-byte steps so one
+`vpdpbusd` advances 16 rows at once. The same layout carries the per-channel int8 weights of
+`--quantization int8` (`Int8Linear`), whose kernel `qgemm_i8` sums over all of K in int32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from sous.models.layers.linear import GROUP_SIZE, GroupQuantWeight
+
+LANES = 16
+"""Output rows per packed group."""
+
+
+@functools.cache
+def _ops() -> Any:
+    """The C++ ops module when its quantised GEMMs run on VNNI here, else None
+    (`SOUS_ATTENTION=torch` turns every C++ kernel off)."""
+    if os.environ.get("SOUS_ATTENTION", "").strip().lower() == "torch":
+        return None
+    from sous.engine.ops.build import load
+
+    mod = load()
+    return mod if mod is not None and mod.qgemm_vnni() else None
+
+
+def qgemm_ops(device: torch.device) -> Any:
+    """The module with `qgemm` / `qgemm_i8` for tensors on `device`, or None."""
+    return _ops() if torch.device(device).type == "cpu" else None
+
+
+def pack_weights(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned `q` `[N, K]` (values below `2**bits`) -> the kernel's layout: uint8
+    `[ceil(N / 16), K / 32, 64 * bits]` (see `qgemm.cpp`); missing rows of the last group are 0."""
+    n, k = q.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"qgemm needs K % {GROUP_SIZE} == 0, got K = {k}")
+    groups = -(-n // LANES)
+    padded = torch.zeros(groups * LANES, k, dtype=torch.uint8)
+    padded[:n] = q
+    # [group, lane, block, step, byte] -> [group, block, step, lane, byte]
+    steps = padded.view(groups, LANES, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
+    if bits == 8:
+        return steps.reshape(groups, k // GROUP_SIZE, 512).contiguous()
+    if bits != 4:
+        raise ValueError(f"qgemm packs 4- or 8-bit weights, not {bits}")
+    nibbles = steps[:, :, :4] | (steps[:, :, 4:] << 4)
+    return nibbles.reshape(groups, k // GROUP_SIZE, 256).contiguous()
+
+
+def pack_scales(s: torch.Tensor) -> torch.Tensor:
+    """Per-block float32 `[N, K / 32]` -> `[ceil(N / 16), K / 32, 16]` (one lane per row)."""
+    n, nb = s.shape
+    groups = -(-n // LANES)
+    padded = torch.zeros(groups * LANES, nb, dtype=torch.float32)
+    padded[:n] = s
+    return padded.view(groups, LANES, nb).transpose(1, 2).contiguous()
+
+
+def block_form(weight: GroupQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """`(q, scale, min, bits)` with `W = q * scale + min` per block, from the planes of a GGUF
+    Q4_0/Q4_1 (one plane, 4 bits) or Q8_0 (two planes whose scales differ by 16, 8 bits)."""
+    planes = weight.planes
+    mins = sum((z - 8.0 * s) for _, s, z in planes)
+    if len(planes) == 1:
+        q, scale, _ = planes[0]
+        return q, scale, mins, 4
+    (hi, s_hi, _), (lo, s_lo, _) = planes
+    if len(planes) != 2 or not torch.equal(s_hi, 16.0 * s_lo):
+        raise ValueError("qgemm takes one 4-bit plane or a Q8_0 pair of planes")
+    return hi.to(torch.int32).mul(16).add(lo).to(torch.uint8), s_lo, mins, 8
+
+
+class BlockQuantLinear(nn.Module):
+    """`y = x @ W^T + b` for a `GroupQuantWeight` on `qgemm` (module docstring). Buffers:
+    `packed` uint8, `scale` and `min` float32 `[ceil(N / 16), K / 32, 16]`."""
+
+    def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        n, k = weight.shape
+        self.in_features, self.out_features = k, n
+        q, scale, mins, self.bits = block_form(weight)
+        self.register_buffer("packed", pack_weights(q, self.bits))
+        self.register_buffer("scale", pack_scales(scale.float()))
+        self.register_buffer("min", pack_scales(mins.float()))
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _ops()
+        assert ops is not None, "BlockQuantLinear is built only where qgemm runs"
+        xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        y = ops.qgemm(xk.contiguous(), self.packed, self.scale, self.min, self.out_features,
+                      self.bits, self.bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
