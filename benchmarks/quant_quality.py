@@ -2,8 +2,9 @@
 
 Runs one fixed English text (this repository's README, first `--tokens` tokens) through the
 bundled SmolLM2-135M-Instruct GGUF loaded three ways -- float32 (every weight dequantised: the
-reference), `--quantization gguf` (the exact Q4_1/Q8_0 weights on torch's int4 kernel, bf16
-activations) and `--quantization int8` (int8 weights, dynamic int8 activations) -- and prints
+reference), `--quantization gguf` (the exact Q4_1/Q8_0 weights times activations quantised to
+int8 per block of 32, llama.cpp's numerics, on the qgemm kernel; torch's int4 kernel with bf16
+activations on CPUs without AVX-512 VNNI) and `--quantization int8` (int8 weights, dynamic int8 activations) -- and prints
 JSON: per mode, perplexity on the text, mean and max absolute logit error against float32
 (relative to the mean absolute float32 logit), and how often the argmax token agrees.
 
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     results, ref, ids = {}, None, None
     for name, quant in MODES.items():
         loaded = load_model(ModelConfig(dtype="float32", quantization=quant), LoadConfig(), CPU)
-        # `gguf` keeps dense copies for batches of many rows (a prefill like this one); measure
-        # the int4 kernel's own numerics, which its decode steps use.
+        # Without VNNI `gguf` may keep dense copies for batches of many rows (a prefill like
+        # this one); measure the int4 kernel's own numerics, which its decode steps use.
         for m in loaded.model.modules():
             if isinstance(m, Int4Linear):
                 m.dense_min_rows = 1 << 30
