@@ -1,8 +1,8 @@
 """`BlockQuantLinear`: GGUF Q4_0 / Q4_1 / Q8_0 weights on the `qgemm` C++ kernel, llama.cpp's
 numerics (block-quantised weights times activations quantised to int8 per block of 32).
 
-The kernel (`engine/ops/csrc/qgemm.cpp`) needs AVX-512 VNNI; `qgemm_available` says whether
-this machine has it (elsewhere `make_linear` keeps torch's int4 kernel). Weights are packed
+The kernel (`engine/ops/csrc/qgemm.cpp`) needs AVX-512 VNNI; `qgemm_ops` says whether this
+machine has it (elsewhere `make_linear` keeps torch's int4 kernel). Weights are packed
 once at load (`pack_weights`): output rows in groups of 16, interleaved in 4-byte steps so one
 `vpdpbusd` advances 16 rows at once. The same layout carries the per-channel int8 weights of
 `--quantization int8` (`Int8Linear`), whose kernel `qgemm_i8` sums over all of K in int32.
@@ -76,9 +76,9 @@ def block_form(weight: GroupQuantWeight) -> tuple[torch.Tensor, torch.Tensor, to
     if len(planes) == 1:
         q, scale, _ = planes[0]
         return q, scale, mins, 4
-    (hi, s_hi, _), (lo, s_lo, _) = planes
-    if len(planes) != 2 or not torch.equal(s_hi, 16.0 * s_lo):
+    if len(planes) != 2 or not torch.equal(planes[0][1], 16.0 * planes[1][1]):
         raise ValueError("qgemm takes one 4-bit plane or a Q8_0 pair of planes")
+    (hi, _, _), (lo, s_lo, _) = planes
     return hi.to(torch.int32).mul(16).add(lo).to(torch.uint8), s_lo, mins, 8
 
 
