@@ -248,6 +248,12 @@ def test_environment(capsys: pytest.CaptureFixture[str]) -> None:
         assert next(iter(bad)) in capsys.readouterr().err
 
 
+def test_enforce_eager_is_accepted() -> None:
+    eng, _ = parse_serve_args(["--enforce-eager"], environ={})
+    assert eng.model.enforce_eager
+    assert not parse_serve_args([], environ={})[0].model.enforce_eager
+
+
 def test_trust_remote_code_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="sous.config.engine_args"):
         eng, _ = parse_serve_args(["--trust-remote-code"], environ={})

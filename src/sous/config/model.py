@@ -18,7 +18,9 @@ class ModelConfig:
     """Tokenizer folder (default: the model's)."""
     dtype: DType = "auto"
     """Weights and activations dtype. `auto`: bfloat16 on a CPU that supports it (as vLLM's
-    CPU backend), the checkpoint dtype on CUDA."""
+    CPU backend), the checkpoint dtype on CUDA; float32 activations for a GGUF file's
+    quantised matrices on CPU (see --quantization). An explicit dtype dequantises GGUF
+    weights to it."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output) in tokens. Default: the model's context length."""
     seed: int = 0
@@ -31,10 +33,15 @@ class ModelConfig:
     """Model implementation: `auto` and `vllm` both run sous' own implementation of the
     architecture."""
     quantization: Literal["gguf", "int8"] | None = None
-    """`gguf`: keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices quantised and run them on torch's
-    int4 CPU kernel (about 4x less memory traffic; bf16 matmul numerics). `int8` (CPU, any
-    model): int8 weights per output channel with dynamic per-token int8 activations on an
-    exact integer matmul (VNNI), as llama.cpp and OpenVINO compute; faster, approximate (the
-    README gives its measured error). Default: dequantise every weight on load to --dtype."""
+    """`gguf`: keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices quantised: on a CPU with AVX-512 VNNI
+    times int8 block activations (llama.cpp's numerics), else on torch's int4 kernel. This is
+    the default for such files with `--dtype auto`; an explicit `--dtype` dequantises them
+    instead (exact). `int8` (CPU, any float model): int8 weights per output channel with
+    dynamic per-token int8 activations on an exact integer matmul (VNNI), as OpenVINO
+    computes; faster, approximate (the README gives its measured error)."""
     chat_template: str | None = None
     """Jinja chat template (file path or inline) overriding the tokenizer's."""
+    enforce_eager: bool = False
+    """Run every step eagerly, without graph capture or compilation. sous has no compiled
+    steps yet, so every step already runs eagerly and this flag changes nothing; it is
+    accepted so vLLM command lines run unchanged."""

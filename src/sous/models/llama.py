@@ -26,8 +26,8 @@ from sous.models.layers.activation import silu_and_mul
 from sous.models.layers.linear import AnyWeight, GroupQuantWeight, make_linear
 from sous.models.layers.norm import RMSNorm
 from sous.models.layers.rotary import (
+    RopeStep,
     RotaryEmbedding,
-    apply_rotary_interleaved,
     interleave_rows,
 )
 
@@ -74,7 +74,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        freqs_cis: torch.Tensor,
+        rope: RopeStep,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj.forward(x)
         qk_size = self.q_size + self.kv_size
         # q/k rows are stored in the interleaved rotary layout (see load_weights).
-        qk = apply_rotary_interleaved(qkv[:, :qk_size].view(t, -1, self.head_dim), freqs_cis)
+        qk = rope.rotate_interleaved(qkv[:, :qk_size].view(t, -1, self.head_dim))
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -116,7 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         residual: torch.Tensor | None,
-        freqs_cis: torch.Tensor,
+        rope: RopeStep,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm.forward(h)
         else:
             x, residual = self.input_layernorm.forward(h, residual)
-        x = self.self_attn.forward(x, freqs_cis, kv_cache, meta)
+        x = self.self_attn.forward(x, rope, kv_cache, meta)
         x, residual = self.post_attention_layernorm.forward(x, residual)
         return self.mlp.forward(x), residual
 
@@ -185,13 +185,13 @@ class LlamaForCausalLM(nn.Module):
         those layers (`[T, H]` each, in that order), as EAGLE-3 drafts read it."""
         m = self.model
         h = F.embedding(input_ids, m.embed_tokens.weight)
-        freqs_cis = m.rotary.lookup_complex(positions)
+        rope = m.rotary.step(positions)
         residual = None
         aux: list[torch.Tensor] = []
         for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches, strict=True)):
             if i in aux_hidden_state_layers:
                 aux.append(h if residual is None else h + residual)
-            h, residual = layer.forward(h, residual, freqs_cis, kv_cache, attn_metadata)
+            h, residual = layer.forward(h, residual, rope, kv_cache, attn_metadata)
         h, _ = m.norm.forward(h, residual)
         return (h, aux) if aux_hidden_state_layers else h
 

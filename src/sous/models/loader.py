@@ -5,14 +5,19 @@ never downloads: anything else is an error that says how to point at a local cop
 
 dtype `auto`: on CPU bfloat16 when the CPU has native bf16 (avx512_bf16 / amx_bf16 / ARM bf16),
 else float32; on CUDA the checkpoint's dtype, with float32 checkpoints run in bfloat16 (float16
-where bf16 is unsupported), as vLLM does. GGUF files are dequantised on load to
-that dtype (exact numerics, as transformers computes them). With `--quantization gguf` their
-Q4_0/Q4_1/Q8_0 matrices stay quantised and run on torch's int4 CPU kernel (bf16 matmul numerics,
-about 4x less memory traffic than float32; ~2.8x faster single-sequence decode for SmolLM2).
-The int4 kernel computes each row on its own, so results do not depend on the batch. Opt-in:
+where bf16 is unsupported), as vLLM does.
+
+GGUF files: by default (`--dtype auto`, no `--quantization`) and with `--quantization gguf`,
+their Q4_0/Q4_1/Q8_0 matrices stay quantised, as vLLM serves GGUF, and run on sous' `qgemm`
+kernel (AVX-512 VNNI: llama.cpp's numerics, int8 block activations) or else torch's int4 CPU
+kernel (bf16 activations); both compute each row on its own, so results do not depend on the
+batch. An explicit `--dtype` (float32, bfloat16, float16) dequantises every weight on load to
+that dtype instead: exact numerics, as transformers computes them. Kept quantised on CPU, `auto`
+activations are float32. Opt-in, for the int4 kernel:
 models whose dense form fits in `SOUS_GGUF_DENSE_COPY_MAX_BYTES` (default 0: none) also keep
 dense copies, used for batches of >= 16 rows (>= 8 for the two-plane Q8_0 lm_head), which is
-faster on CPUs without bf16 but costs the memory and makes results depend on batch size. Quantised safetensors checkpoints (FP8 block,
+faster on CPUs without bf16 but costs the memory and makes results depend on batch size.
+Quantised safetensors checkpoints (FP8 block,
 ModelOpt and compressed-tensors NVFP4; see `sous.models.quant`) are dequantised on load.
 """
 
@@ -184,13 +189,28 @@ def _build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn
         return cls(hf_config, dtype)
 
 
+def _keep_gguf_quantized(reader: Any, mc: ModelConfig, device: torch.device) -> bool:
+    """Run the file's Q4_0/Q4_1/Q8_0 matrices quantised: with `--quantization gguf`, and by
+    default (`--dtype auto`, no `--quantization`) where this device has a kernel for them, as
+    vLLM serves a GGUF file. An explicit `--dtype` dequantises every weight to it (exact)."""
+    if mc.quantization == "gguf":
+        if not int4_kernel_available(device):
+            raise ConfigError(f"--quantization gguf needs a quantised-matmul kernel for "
+                              f"{device}; there is none.")
+        return True
+    if mc.quantization is not None or mc.dtype != "auto":
+        return False
+    return int4_kernel_available(device) and gg.has_group_quant(reader)
+
+
 def _load_gguf(path: Path, mc: ModelConfig, device: torch.device) -> LoadedModel:
     reader = gg.open_gguf(path)
     hf_config = gg.build_config(reader)
-    dtype = resolve_dtype(mc.dtype, torch.float32, device)
-    keep_quantized = mc.quantization == "gguf"
-    if keep_quantized and not int4_kernel_available(device):
-        raise ConfigError(f"--quantization gguf needs torch's int4 kernel, not available on {device}.")
+    keep_quantized = _keep_gguf_quantized(reader, mc, device)
+    # Quantised matrices on CPU: float32 activations (auto) are faster than bfloat16 there (no
+    # conversions around the kernels; attention reads a float32 cache in place).
+    auto_f32 = keep_quantized and mc.dtype == "auto" and device.type == "cpu"
+    dtype = torch.float32 if auto_f32 else resolve_dtype(mc.dtype, torch.float32, device)
     # Opt-in dense copies for batches of many rows (see Int4Linear and the module docstring).
     limit = int(os.environ.get("SOUS_GGUF_DENSE_COPY_MAX_BYTES", 0))
     dense_fallback = keep_quantized and 0 < gg.dense_bytes(reader, dtype) <= limit

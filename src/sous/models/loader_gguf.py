@@ -144,6 +144,16 @@ def dense_bytes(reader: GGUFFile, dtype: torch.dtype) -> int:
     return sum(t.n_elements for t in reader.tensors) * elem
 
 
+GROUP_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+"""GGUF matrix types sous can keep quantised (`_group_quant`)."""
+
+
+def has_group_quant(reader: GGUFFile) -> bool:
+    """True when some matrix of the file is Q4_0 / Q4_1 / Q8_0."""
+    return any(len(t.shape) == 2 and t.tensor_type.name in GROUP_QUANT_TYPES
+               for t in reader.tensors)
+
+
 def open_gguf(path: str | Path) -> GGUFFile:
     return GGUFFile(path)
 

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 NAME = "sous_ops"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "gqa.cpp", "index_scores.cpp", "threads.cpp", "quant.cpp",
-           "qgemm.cpp", "bindings.cpp")
+           "qgemm.cpp", "layer_ops.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 
 
@@ -116,6 +116,19 @@ def load() -> ModuleType | None:
         return None
     logger.debug("sous_ops C++ attention kernels: %s", mod.__file__)
     return mod
+
+
+@functools.cache
+def _cpu_ops() -> ModuleType | None:
+    if os.environ.get("SOUS_ATTENTION", "").strip().lower() == "torch":
+        return None
+    return load()
+
+
+def cpu_ops(device: torch.device | str = "cpu") -> ModuleType | None:
+    """The extension for tensors on `device`, or None: not the CPU, `SOUS_ATTENTION=torch`
+    (every C++ kernel off; read once per process), or no build here."""
+    return _cpu_ops() if torch.device(device).type == "cpu" else None
 
 
 def main() -> int:

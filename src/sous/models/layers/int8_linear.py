@@ -20,27 +20,14 @@ arithmetic (bit-identical results); otherwise as the torch ops below.
 
 from __future__ import annotations
 
-import functools
-import os
-from typing import Any
-
 import torch
 from torch import nn
 
+from sous.engine.ops.build import cpu_ops
 from sous.models.layers.linear import GROUP_SIZE, DenseLinear
 from sous.models.layers.qgemm_linear import pack_weights, qgemm_ops
 
 _QMAX = 127.0
-
-
-@functools.cache
-def _ops() -> Any:
-    """The C++ ops module (None on a build failure or with SOUS_ATTENTION=torch)."""
-    if os.environ.get("SOUS_ATTENTION", "").strip().lower() == "torch":
-        return None
-    from sous.engine.ops.build import load
-
-    return load()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +66,7 @@ class Int8Linear(nn.Module):
                                     self.out_features, self.bias)
             return y if y.dtype == x.dtype else y.to(x.dtype)
         assert self.w8_t is not None
-        ops = _ops() if x.device.type == "cpu" else None
+        ops = cpu_ops(x.device)
         if ops is None:
             x8, x_scale = quantize_rows(x)
             y = torch._int_mm(x8, self.w8_t).float().mul_(x_scale).mul_(self.w_scale)

@@ -10,34 +10,24 @@ once at load (`pack_weights`): output rows in groups of 16, interleaved in 4-byt
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from sous.engine.ops.build import cpu_ops
 from sous.models.layers.linear import GROUP_SIZE, GroupQuantWeight
 
 LANES = 16
 """Output rows per packed group."""
-
-
-@functools.cache
-def _ops() -> Any:
-    """The C++ ops module when its quantised GEMMs run on VNNI here, else None
-    (`SOUS_ATTENTION=torch` turns every C++ kernel off)."""
-    if os.environ.get("SOUS_ATTENTION", "").strip().lower() == "torch":
-        return None
-    from sous.engine.ops.build import load
-
-    mod = load()
-    return mod if mod is not None and mod.qgemm_vnni() else None
+CPU = torch.device("cpu")
 
 
 def qgemm_ops(device: torch.device) -> Any:
-    """The module with `qgemm` / `qgemm_i8` for tensors on `device`, or None."""
-    return _ops() if torch.device(device).type == "cpu" else None
+    """The C++ ops module with `qgemm` / `qgemm_i8` for tensors on `device` when they run on
+    VNNI there, else None (`sous.engine.ops.build.cpu_ops`)."""
+    mod = cpu_ops(device)
+    return mod if mod is not None and mod.qgemm_vnni() else None
 
 
 def pack_weights(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -90,6 +80,9 @@ class BlockQuantLinear(nn.Module):
         super().__init__()
         n, k = weight.shape
         self.in_features, self.out_features = k, n
+        self.ops = qgemm_ops(CPU)
+        if self.ops is None:
+            raise RuntimeError("BlockQuantLinear needs the C++ qgemm kernel (AVX-512 VNNI)")
         q, scale, mins, self.bits = block_form(weight)
         self.register_buffer("packed", pack_weights(q, self.bits))
         self.register_buffer("scale", pack_scales(scale.float()))
@@ -97,9 +90,7 @@ class BlockQuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _ops()
-        assert ops is not None, "BlockQuantLinear is built only where qgemm runs"
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-        y = ops.qgemm(xk.contiguous(), self.packed, self.scale, self.min, self.out_features,
+        y = self.ops.qgemm(xk.contiguous(), self.packed, self.scale, self.min, self.out_features,
                       self.bits, self.bias)
         return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from sous.engine.ops.build import cpu_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -73,6 +76,34 @@ class RotaryEmbedding(nn.Module):
     def lookup_complex(self, positions: torch.Tensor) -> torch.Tensor:
         """`cos + i sin` `[T, 1, head_dim/2]` (complex64) for the given positions."""
         return self.freqs_cis.index_select(0, positions).unsqueeze(1)
+
+    def step(self, positions: torch.Tensor) -> RopeStep:
+        """The step's angles for the interleaved layout, applied per layer by
+        `RopeStep.rotate_interleaved`: on CPU one C++ pass over the rows, reading the tables by
+        position; elsewhere the complex multiply of `apply_rotary_interleaved`."""
+        ops = cpu_ops(positions.device)
+        freqs_cis = None if ops is not None else self.lookup_complex(positions)
+        return RopeStep(self, positions, freqs_cis, ops)
+
+
+@dataclass
+class RopeStep:
+    """One step's rotary angles (see `RotaryEmbedding.step`); read-only for the layers."""
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor
+    freqs_cis: torch.Tensor | None
+    """`[T, 1, head_dim/2]` complex64 (None: the C++ pass reads the tables itself)."""
+    ops: Any = None
+
+    def rotate_interleaved(self, x: torch.Tensor) -> torch.Tensor:
+        """`apply_rotary_interleaved(x, freqs of the step's positions)`: a new tensor."""
+        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+            r = self.rotary
+            return self.ops.rotary_interleaved(x, r.cos, r.sin, self.positions)
+        if self.freqs_cis is None:
+            self.freqs_cis = self.rotary.lookup_complex(self.positions)
+        return apply_rotary_interleaved(x, self.freqs_cis)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // Entry points of the sous CPU ops extension (attention.cpp, gqa.cpp, index_scores.cpp,
-// threads.cpp, quant.cpp, qgemm.cpp).
+// threads.cpp, quant.cpp, qgemm.cpp, layer_ops.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -60,5 +60,18 @@ at::Tensor qgemm_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 
 // True when qgemm runs on AVX-512 VNNI (else a slow portable form).
 bool qgemm_vnni();
+
+// (norm(x + residual) * weight, x + residual), or (norm(x) * weight, undefined) without a
+// residual; x [T, H] float32/bfloat16 (layer_ops.cpp).
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                            double eps, const std::optional<at::Tensor>& residual);
+
+// x [T, H, D] rotated by the angles of its positions, pairs (2i, 2i + 1): a new contiguous
+// tensor (layer_ops.cpp).
+at::Tensor rotary_interleaved(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& positions);
+
+// silu(x[:, :d]) * x[:, d:] for x [T, 2d] (layer_ops.cpp).
+at::Tensor silu_and_mul(const at::Tensor& x);
 
 }  // namespace sous

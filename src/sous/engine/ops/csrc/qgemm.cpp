@@ -55,22 +55,52 @@ float at_f32(const T* x, int64_t i) {
   return static_cast<float>(x[i]);
 }
 
-// Block mode: q = round(x / d), d = max|x| / 127 per block of 32 (llama.cpp's Q8_1).
+#ifdef SOUS_QGEMM_VNNI
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// round-half-even(v * s) (the MXCSR default) saturated to int8 into q[0:16]; returns the sum.
+inline __m512i quantize16(__m512 v, __m512 s, bool divide, int8_t* q) {
+  const __m512i i = _mm512_cvtps_epi32(divide ? _mm512_div_ps(v, s) : _mm512_mul_ps(v, s));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(i));
+  return i;
+}
+
+inline float amax16(__m512 v) { return _mm512_reduce_max_ps(_mm512_abs_ps(v)); }
+#endif
+
+// Block mode: q = round(x * (1 / d)), d = max|x| / 127 per block of 32 (llama.cpp's Q8_1).
 template <typename T>
 void quantize_blocks(const T* x, int64_t k, int8_t* q, float* d, float* s) {
   for (int64_t b = 0; b < k / QK; ++b) {
+    const T* xb = x + b * QK;
+#ifdef SOUS_QGEMM_VNNI
+    const __m512 lo = load16(xb), hi = load16(xb + 16);
+    const float amax = std::fmax(amax16(lo), amax16(hi));
+#else
     float amax = 0.f;
-    for (int64_t i = b * QK; i < (b + 1) * QK; ++i) amax = std::fmax(amax, std::fabs(at_f32(x, i)));
+    for (int64_t i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(at_f32(xb, i)));
+#endif
     const float db = amax / 127.f;
     const float id = db > 0.f ? 1.f / db : 0.f;
+#ifdef SOUS_QGEMM_VNNI
+    const __m512 vid = _mm512_set1_ps(id);
+    const __m512i sum = _mm512_add_epi32(quantize16(lo, vid, false, q + b * QK),
+                                         quantize16(hi, vid, false, q + b * QK + 16));
+    s[b] = db * static_cast<float>(_mm512_reduce_add_epi32(sum));
+#else
     int32_t sum = 0;
-    for (int64_t i = b * QK; i < (b + 1) * QK; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(at_f32(x, i) * id));
-      q[i] = static_cast<int8_t>(v);
+    for (int64_t i = 0; i < QK; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(at_f32(xb, i) * id));
+      q[b * QK + i] = static_cast<int8_t>(v);
       sum += v;
     }
-    d[b] = db;
     s[b] = db * static_cast<float>(sum);
+#endif
+    d[b] = db;
   }
 }
 
@@ -79,10 +109,21 @@ void quantize_blocks(const T* x, int64_t k, int8_t* q, float* d, float* s) {
 template <typename T>
 void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
   float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::fmax(amax, std::fabs(at_f32(x, i)));
+  int64_t i = 0;
+#ifdef SOUS_QGEMM_VNNI
+  for (; i + 16 <= k; i += 16) amax = std::fmax(amax, amax16(load16(x + i)));
+#endif
+  for (; i < k; ++i) amax = std::fmax(amax, std::fabs(at_f32(x, i)));
   const float dr = amax > 0.f ? amax / 127.f : 1.f;
   int32_t sum = 0;
-  for (int64_t i = 0; i < k; ++i) {
+  i = 0;
+#ifdef SOUS_QGEMM_VNNI
+  __m512i acc = _mm512_setzero_si512();
+  for (; i + 16 <= k; i += 16)
+    acc = _mm512_add_epi32(acc, quantize16(load16(x + i), _mm512_set1_ps(dr), true, q + i));
+  sum = _mm512_reduce_add_epi32(acc);
+#endif
+  for (; i < k; ++i) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(at_f32(x, i) / dr));
     q[i] = static_cast<int8_t>(v);
     sum += v;
