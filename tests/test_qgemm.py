@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sous.models.layers.int8_linear import Int8Linear, quantize_rows
-from sous.models.layers.linear import DenseLinear
+from sous.models.layers.linear import DenseLinear, GroupQuantWeight
 from sous.models.layers.qgemm_linear import BlockQuantLinear, block_form, qgemm_ops
 from sous.models.loader_gguf import _group_quant
 
@@ -53,6 +53,20 @@ def test_block_kernel_matches_llama_cpp_arithmetic(qtype: str, m: int, k: int, n
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     exact = x @ w.dequantize().t() + bias  # the activation rounding costs little
     assert ((y - exact).norm() / exact.norm()).item() < 0.02
+
+
+def test_scales_are_float16_when_exact_else_float32() -> None:
+    gguf_lin = BlockQuantLinear(_gguf_weight("Q4_1", 16, 64))
+    assert gguf_lin.scale.dtype == gguf_lin.min.dtype == torch.float16  # GGUF's own precision
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (20, 64), dtype=torch.uint8, generator=g)
+    scale, zero = torch.rand(20, 2, generator=g) / 7, torch.rand(20, 2, generator=g) / 3
+    w = GroupQuantWeight([(q, scale, zero)])  # not representable in float16
+    lin = BlockQuantLinear(w)
+    assert lin.scale.dtype == torch.float32
+    x = torch.randn(3, 64, generator=g)
+    ref = _reference(x, w)
+    assert ((lin(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -42,6 +42,7 @@ from sous.models import bundled
 from sous.models import loader_gguf as gg
 from sous.models import loader_safetensors as st
 from sous.models.layers.linear import int4_kernel_available
+from sous.models.module_attrs import bind_module_attributes
 from sous.models.quant import DequantizedWeights, detect_quant_config
 from sous.models.registry import get_model_class, resolve_architecture, supported_architectures
 
@@ -312,6 +313,7 @@ def load_model(
         loaded = _load_folder(path, model_config, load_config, device)
     if model_config.quantization == "int8":
         _quantize_int8(loaded, device)
+    bind_module_attributes(loaded.model)
     _apply_chat_template_override(loaded.tokenizer, model_config.chat_template)
     if model_config.served_model_name:
         loaded.served_model_name = model_config.served_model_name

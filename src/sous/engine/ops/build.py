@@ -131,6 +131,11 @@ def cpu_ops(device: torch.device | str = "cpu") -> ModuleType | None:
     return _cpu_ops() if torch.device(device).type == "cpu" else None
 
 
+def cpu_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """`cpu_ops(x.device)`, cheaper (per-layer hot path)."""
+    return _cpu_ops() if x.is_cpu else None
+
+
 def main() -> int:
     """`python -m sous.engine.ops.build [-v]`: build the extension now, print its path."""
     mod = build(verbose="-v" in sys.argv[1:])

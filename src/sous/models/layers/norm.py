@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sous.engine.ops.build import cpu_ops
+from sous.engine.ops.build import cpu_ops_for
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -20,7 +20,7 @@ def _fused_ops(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
     """The C++ ops when they take `x` (2-D CPU float32 / bfloat16 rows, weight alike)."""
     if x.dim() != 2 or x.dtype not in _FUSED_DTYPES or weight.dtype != x.dtype:
         return None
-    return cpu_ops(x.device) if x.stride(-1) == 1 else None
+    return cpu_ops_for(x) if x.stride(-1) == 1 else None
 
 
 class RMSNorm(nn.Module):

@@ -9,6 +9,8 @@
 // * per channel (`qgemm_i8`): W[n, k] = (q[n, k] - 128) * ws[n], x[m, k] ~ xq[m, k] * xd[m]:
 //     y[m, n] = float(q . xq - 128 * sum(xq)) * xd[m] * ws[n]     (one int32 sum over K).
 //
+// Block scales and minimums are float16 (GGUF stores them so) or float32.
+//
 // Packed weight layout (`sous.models.layers.qgemm_linear.pack_weights`): output rows in groups
 // of 16 (the last padded with zeros); per group and block of 32, eight 4-byte steps of all 16
 // rows, so that lane l of one `vpdpbusd` adds 4 products of row 16 g + l and eight steps leave
@@ -21,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -165,6 +168,8 @@ struct Problem {
   const uint8_t* w;  // packed weights (see the file comment)
   const float* wd;   // block: [G, nb, 16] scales; per channel: [N] scales
   const float* wm;   // block: [G, nb, 16] minimums; per channel: unused
+  const c10::Half* hd;  // block mode with float16 scales (GGUF's own precision): these
+  const c10::Half* hm;  // instead of wd / wm
   const float* bias;
   int64_t n, bits, block_bytes;
   bool per_block;
@@ -200,6 +205,10 @@ inline void load_steps(const uint8_t* src, int64_t bits, __m512i* w) {
   }
 }
 
+inline __m512 load_half16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Exact int32 block dot of each lane's row with activation block `x` (32 int8), added to acc.
 inline __m512i block_dot(__m512i acc, const __m512i* w, const int8_t* x) {
   for (int s = 0; s < 8; ++s) {
@@ -225,8 +234,9 @@ void tile(const Problem& p, int64_t m0, int64_t g) {
   for (int64_t b = 0; b < a.nb; ++b) {
     load_steps(wg + b * p.block_bytes, p.bits, w);
     if (p.per_block) {
-      const __m512 wd = _mm512_loadu_ps(p.wd + (g * a.nb + b) * LANES);
-      const __m512 wm = _mm512_loadu_ps(p.wm + (g * a.nb + b) * LANES);
+      const int64_t si = (g * a.nb + b) * LANES;
+      const __m512 wd = p.hd != nullptr ? load_half16(p.hd + si) : _mm512_loadu_ps(p.wd + si);
+      const __m512 wm = p.hm != nullptr ? load_half16(p.hm + si) : _mm512_loadu_ps(p.wm + si);
       for (int i = 0; i < MT; ++i) {
         const int64_t r = (m0 + i) * a.nb + b;
         const __m512i dot = block_dot(_mm512_setzero_si512(), w, a.q.data() + (m0 + i) * a.k + b * QK);
@@ -273,8 +283,10 @@ void tile(const Problem& p, int64_t m0, int64_t g) {
         }
         if (p.per_block) {
           const int64_t wi = (g * a.nb + b) * LANES + l, r = m * a.nb + b;
-          acc = std::fma(static_cast<float>(dot), p.wd[wi] * a.d[r], acc);
-          acc = std::fma(p.wm[wi], a.s[r], acc);
+          const float wd = p.hd != nullptr ? static_cast<float>(p.hd[wi]) : p.wd[wi];
+          const float wm = p.hm != nullptr ? static_cast<float>(p.hm[wi]) : p.wm[wi];
+          acc = std::fma(static_cast<float>(dot), wd * a.d[r], acc);
+          acc = std::fma(wm, a.s[r], acc);
         } else {
           iacc += dot;
         }
@@ -337,18 +349,22 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wd,
               "qgemm: w must be packed contiguous uint8 [N / 16, K / 32, 64 * bits]");
   const int64_t k = w.size(1) * QK;
   check_x(x, k);
+  const bool half = wd.scalar_type() == at::kHalf;
   for (const at::Tensor* t : {&wd, &wm}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+    TORCH_CHECK((t->scalar_type() == at::kFloat || half) &&
+                    t->scalar_type() == wd.scalar_type() && t->is_contiguous() &&
                     t->numel() == w.size(0) * w.size(1) * LANES,
-                "qgemm: scales must be contiguous float32 [N / 16, K / 32, 16]");
+                "qgemm: scales must be contiguous float32 or float16 [N / 16, K / 32, 16]");
   }
   at::Tensor keep;
   const float* bp = bias_ptr(bias, keep, n);
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
   const QuantAct a = quantize(x, true);
-  run(Problem{&a, w.data_ptr<uint8_t>(), wd.data_ptr<float>(), wm.data_ptr<float>(), bp, n,
-              bits, w.size(2), true, x.scalar_type(), y.data_ptr()},
+  run(Problem{&a, w.data_ptr<uint8_t>(), half ? nullptr : wd.data_ptr<float>(),
+              half ? nullptr : wm.data_ptr<float>(), half ? wd.data_ptr<c10::Half>() : nullptr,
+              half ? wm.data_ptr<c10::Half>() : nullptr, bp, n, bits, w.size(2), true,
+              x.scalar_type(), y.data_ptr()},
       x.size(0));
   return y;
 }
@@ -367,8 +383,8 @@ at::Tensor qgemm_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0 || n == 0) return y;
   const QuantAct a = quantize(x, false);
-  run(Problem{&a, w.data_ptr<uint8_t>(), ws.data_ptr<float>(), nullptr, bp, n, 8, 512, false,
-              x.scalar_type(), y.data_ptr()},
+  run(Problem{&a, w.data_ptr<uint8_t>(), ws.data_ptr<float>(), nullptr, nullptr, nullptr, bp, n,
+              8, 512, false, x.scalar_type(), y.data_ptr()},
       x.size(0));
   return y;
 }
