@@ -10,8 +10,10 @@ point (`paged_attention`, cache write + attention, as imported by the model modu
 wrapped, by monkeypatching from here, in `record_function("sous::attention")`.
 
 Prints one JSON line: `{"attention": <backend>, "attention_cpu_ms", "total_cpu_ms",
-"attention_share", "calls", "wall_s", "dtype"}`, where total_cpu_ms is the sum of every
-profiled op's self CPU time and attention_cpu_ms the wrapped calls' inclusive CPU time.
+"attention_share", "calls", "wall_s", "dtype"}`, where attention_cpu_ms is the wrapped calls'
+inclusive CPU time, total_cpu_ms the sum of every profiled op's self CPU time and
+attention_share attention_cpu_ms over the profiled run's wall time (sous' C++ matmuls and
+layer ops are not torch ops, so the op total misses most of the step).
 The backend is read from SOUS_ATTENTION when the engine starts, hence one process each.
 """
 
@@ -86,7 +88,7 @@ def main() -> None:
         "attention": attention_backend(torch.device("cpu")),
         "attention_cpu_ms": round(attn_us / 1000, 1),
         "total_cpu_ms": round(total_us / 1000, 1),
-        "attention_share": round(attn_us / total_us, 4) if total_us else None,
+        "attention_share": round(attn_us / (wall * 1e6), 4) if wall > 0 else None,
         "calls": sum(e.count for e in attn),
         "wall_s": round(wall, 2),
         "dtype": args.dtype,

@@ -92,7 +92,7 @@ def markdown(report: dict[str, Any], levels: list[int]) -> str:
     prof = report.get("attention_profile") or {}
     if all("attention_share" in (prof.get(k) or {}) for k in ("torch", "cpp")):
         lines.append("")
-        lines.append("attention share of sous' CPU time (torch profiler): "
+        lines.append("attention share of sous' step time (torch profiler): "
                      f"torch {prof['torch']['attention_share']:.1%}, "
                      f"cpp {prof['cpp']['attention_share']:.1%}")
     return "\n".join(lines) + "\n"

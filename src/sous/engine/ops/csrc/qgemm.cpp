@@ -239,13 +239,15 @@ void tile(const Problem& p, int64_t m0, int64_t g) {
       const __m512 wm = p.hm != nullptr ? load_half16(p.hm + si) : _mm512_loadu_ps(p.wm + si);
       for (int i = 0; i < MT; ++i) {
         const int64_t r = (m0 + i) * a.nb + b;
-        const __m512i dot = block_dot(_mm512_setzero_si512(), w, a.q.data() + (m0 + i) * a.k + b * QK);
+        const int8_t* x = a.q.data() + (m0 + i) * a.k + b * QK;
+        const __m512i dot = block_dot(_mm512_setzero_si512(), w, x);
         const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(a.d[r]));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
         acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.s[r]), acc[i]);
       }
     } else {
-      for (int i = 0; i < MT; ++i) iacc[i] = block_dot(iacc[i], w, a.q.data() + (m0 + i) * a.k + b * QK);
+      for (int i = 0; i < MT; ++i)
+        iacc[i] = block_dot(iacc[i], w, a.q.data() + (m0 + i) * a.k + b * QK);
     }
   }
   alignas(64) float out[LANES];
