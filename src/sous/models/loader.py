@@ -16,8 +16,8 @@ that dtype instead: exact numerics, as transformers computes them. Opt-in, for t
 models whose dense form fits in `SOUS_GGUF_DENSE_COPY_MAX_BYTES` (default 0: none) also keep
 dense copies, used for batches of >= 16 rows (>= 8 for the two-plane Q8_0 lm_head), which is
 faster on CPUs without bf16 but costs the memory and makes results depend on batch size.
-Quantised safetensors checkpoints (FP8 block,
-ModelOpt and compressed-tensors NVFP4; see `sous.models.quant`) are dequantised on load.
+Quantised safetensors checkpoints (FP8 block, ModelOpt and compressed-tensors NVFP4; see
+`sous.models.quant`) are dequantised on load.
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class RopeStep:
-    """One step's rotary angles (see `RotaryEmbedding.step`); read-only for the layers."""
+    """One step's rotary angles (see `RotaryEmbedding.step`), shared by the step's layers;
+    the torch path fills `freqs_cis` on first use."""
 
     rotary: RotaryEmbedding
     positions: torch.Tensor
