@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from sous.bench.client import Target, first_model, make_client, run_concurrent, stream_request
 from sous.bench.prompts import make_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-from peer_engines import bundled_gguf, free_port, wait_idle  # noqa: E402
+from peer_engines import bundled_gguf, free_port, tree_hwm_kib, wait_idle  # noqa: E402
 
 # docs/benchmark-workload.md, same machine class and workload (tok/s).
 REFERENCE = {
@@ -46,20 +45,9 @@ REFERENCE = {
 
 
 def peak_rss_mib(pid: int) -> float | None:
-    """VmHWM summed over a process tree (Linux), in MiB."""
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return None
-    total = 0
-    for p in procs:
-        try:
-            for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return round(total / 1024, 1)
+    """VmHWM summed over a process tree (Linux), in MiB; None if it is gone."""
+    kib = tree_hwm_kib(pid)
+    return round(kib / 1024, 1) if kib else None
 
 
 def start_server(args: argparse.Namespace, port: int, log: Path) -> tuple[subprocess.Popen, float]:
