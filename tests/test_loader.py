@@ -16,6 +16,7 @@ from sous.engine.attention import AttentionMetadata
 from sous.models import loader_gguf
 from sous.models.bundled import bundled_gguf_path
 from sous.models.layers.linear import GroupQuantWeight, Int4Linear, int4_kernel_available
+from sous.models.layers.qgemm_linear import BlockQuantEmbedding, qgemm_ops
 from sous.models.loader import ModelNotFoundError, cpu_supports_bf16, load_model, resolve_dtype
 from tiny_models import make_tiny_llama
 
@@ -54,6 +55,16 @@ def test_bundled_gguf(bundled):
     assert bundled.quantization == "gguf"
     exact = load_model(ModelConfig(dtype="bfloat16"), LoadConfig(), CPU)
     assert exact.quantization is None and exact.dtype == torch.bfloat16
+    # The tied Q8_0 embedding is read from the output head's blocks (no dense copy); its rows
+    # equal the dequantised table.
+    embed = bundled.model.model.embed_tokens
+    if isinstance(embed, BlockQuantEmbedding):
+        assert embed.table is bundled.model.lm_head
+        ids = torch.arange(0, cfg.vocab_size, 7)
+        dense = exact.model.model.embed_tokens.weight[ids]
+        assert torch.equal(embed(ids).float(), dense.float())
+    else:
+        assert qgemm_ops(CPU) is None
     assert not bundled.model.training
     spec = bundled.model.kv_cache_spec()
     assert (spec.num_layers, spec.num_kv_heads, spec.head_size) == (30, 3, 64)

@@ -9,7 +9,12 @@ import torch
 
 from sous.models.layers.int8_linear import Int8Linear, quantize_rows
 from sous.models.layers.linear import DenseLinear, GroupQuantWeight
-from sous.models.layers.qgemm_linear import BlockQuantLinear, block_form, qgemm_ops
+from sous.models.layers.qgemm_linear import (
+    BlockQuantEmbedding,
+    BlockQuantLinear,
+    block_form,
+    qgemm_ops,
+)
 from sous.models.loader_gguf import _group_quant
 
 CPU = torch.device("cpu")
@@ -104,3 +109,25 @@ def test_bad_shapes_are_refused() -> None:
         ops.qgemm(torch.randn(2, 32), lin.packed, lin.scale, lin.min, 16, 4, None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.qgemm(torch.randn(2, 64).half(), lin.packed, lin.scale, lin.min, 16, 4, None)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_embedding_rows_are_gguf_dequantisation(qtype: str) -> None:
+    """`BlockQuantEmbedding` reads rows out of the packed layout: GGUF's own dequantisation,
+    for rows in full and partial groups of 16, in any order and repeated."""
+    import gguf
+
+    n, k = 37, 96
+    rng = np.random.default_rng(1)
+    data = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType[qtype])
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).copy())
+    lin = BlockQuantLinear(_group_quant(raw, qtype, n))
+    ids = torch.tensor([36, 0, 15, 16, 31, 32, 5, 5, 36])
+    assert torch.equal(BlockQuantEmbedding(lin, torch.float32)(ids), ref[ids])
+    emb = BlockQuantEmbedding(lin, torch.bfloat16)
+    assert torch.equal(emb(ids), ref[ids].bfloat16())
+    assert emb(ids[:0]).shape == (0, k)
+    assert emb.table is lin  # shares the head's blocks: no copy
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(torch.tensor([3, 37]))  # 37 rows (packed as 48): the padding rows are no ids

@@ -27,6 +27,7 @@ from torch import nn
 
 from sous.engine.attention import AttentionMetadata
 from sous.models.layers.activation import silu_and_mul
+from sous.models.layers.embedding import unloaded_embedding
 from sous.models.layers.indexer import Indexer
 from sous.models.layers.linear import AnyWeight
 from sous.models.layers.mla import MLAAttention, MLAKVCacheSpec, RopeTables, _Unloaded
@@ -200,10 +201,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"{type(self).__name__} needs a q_lora_rank (got none)")
         self.layer_types = mlp_layer_types(cfg)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta"
-        )
-        self.model.embed_tokens.weight.requires_grad_(False)
+        self.model.embed_tokens = unloaded_embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.model.layers = nn.ModuleList(
             DeepseekDecoderLayer(cfg, dtype, self.ARCH, t == "sparse") for t in self.layer_types
         )

@@ -17,12 +17,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sous.engine.attention import AttentionMetadata, paged_attention
 from sous.engine.kv_cache.spec import KVCacheSpec
 from sous.models.layers.activation import silu_and_mul
+from sous.models.layers.embedding import make_embedding, unloaded_embedding
 from sous.models.layers.linear import AnyWeight, GroupQuantWeight, make_linear
 from sous.models.layers.norm import RMSNorm
 from sous.models.layers.rotary import (
@@ -133,10 +133,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, head_dim: int, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta"
-        )
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = unloaded_embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, head_dim, dtype) for _ in range(cfg.num_hidden_layers)
         )
@@ -184,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         """With `aux_hidden_state_layers`, also returns the residual stream entering each of
         those layers (`[T, H]` each, in that order), as EAGLE-3 drafts read it."""
         m = self.model
-        h = F.embedding(input_ids, m.embed_tokens.weight)
+        h = m.embed_tokens.forward(input_ids)
         rope = m.rotary.step(positions)
         residual = None
         aux: list[torch.Tensor] = []
@@ -256,14 +253,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"incomplete weights for: {missing}")
         if embed is None:
             raise ValueError("missing weight model.embed_tokens.weight")
-        dense_embed = embed.dequantize(dtype) if isinstance(embed, GroupQuantWeight) else embed
-        self.model.embed_tokens.weight = nn.Parameter(
-            dense_embed.to(device=dev, dtype=dtype).contiguous(), requires_grad=False
-        )
         head = embed if self.tie_word_embeddings or lm_head is None else lm_head
         if lm_head is None and not self.tie_word_embeddings:
             raise ValueError("missing weight lm_head.weight (and tie_word_embeddings is false)")
         self.lm_head = make_linear([head], None, dtype, dev)
+        self.model.embed_tokens = make_embedding(embed, self.lm_head if head is embed else None,
+                                                 dtype, dev)
         expected = {"model.norm.weight"}
         for i in range(cfg.num_hidden_layers):
             expected |= {

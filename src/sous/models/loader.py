@@ -41,6 +41,7 @@ from sous.config.model import ModelConfig
 from sous.models import bundled
 from sous.models import loader_gguf as gg
 from sous.models import loader_safetensors as st
+from sous.models.gguf_tokenizer import load_tokenizer as load_gguf_tokenizer
 from sous.models.layers.linear import int4_kernel_available
 from sous.models.module_attrs import bind_module_attributes
 from sous.models.quant import DequantizedWeights, detect_quant_config
@@ -215,7 +216,7 @@ def _load_gguf(path: Path, mc: ModelConfig, device: torch.device) -> LoadedModel
     weights = gg.iter_weights(reader, hf_config, dtype, keep_quantized, dense_fallback)
     model.load_weights(_progress(weights, len(reader.tensors), "Loading GGUF weights"))  # type: ignore[operator]
     tok_dir = Path(mc.tokenizer) if mc.tokenizer else None
-    tokenizer = _load_hf_tokenizer(tok_dir) if tok_dir else gg.load_tokenizer(path)
+    tokenizer = _load_hf_tokenizer(tok_dir) if tok_dir else load_gguf_tokenizer(path)
     eos = _unique([*gg.eos_token_ids(reader), tokenizer.eos_token_id])
     return LoadedModel(
         model=model.eval(),

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import PretrainedConfig
 
 from sous.models.layers.linear import AnyWeight, GroupQuantWeight
 
@@ -177,10 +178,29 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def build_config(reader: GGUFFile) -> Any:
-    """A transformers `LlamaConfig` from the file's `llama.*` metadata."""
-    from transformers import LlamaConfig
+class GGUFLlamaConfig(PretrainedConfig):
+    """The Llama config of a GGUF file: a plain `PretrainedConfig` carrying LlamaConfig's
+    fields, so loading does not import transformers' Llama modelling stack (which pulls
+    torch._dynamo and torch.distributed: over a second of start-up)."""
 
+    model_type = "llama"
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.hidden_act = kwargs.pop("hidden_act", "silu")
+        self.mlp_bias = kwargs.pop("mlp_bias", False)
+        self.attention_dropout = kwargs.pop("attention_dropout", 0.0)
+        self.initializer_range = kwargs.pop("initializer_range", 0.02)
+        self.use_cache = kwargs.pop("use_cache", True)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+                     "attention_bias"):
+            setattr(self, name, kwargs.pop(name))
+        super().__init__(**kwargs)
+
+
+def build_config(reader: GGUFFile) -> Any:
+    """A Llama config (`GGUFLlamaConfig`) from the file's `llama.*` metadata."""
     arch = gguf_architecture(reader)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -210,7 +230,7 @@ def build_config(reader: GGUFFile) -> Any:
         rope.update(rope_type="linear", factor=float(g("rope.scaling.factor", 1.0)))
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported yet")
-    cfg = LlamaConfig(
+    cfg = GGUFLlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")),
@@ -248,25 +268,6 @@ def eos_token_ids(reader: GGUFFile) -> list[int]:
         if v is not None and int(v) not in out:
             out.append(int(v))
     return out
-
-
-def load_tokenizer(path: Path) -> Any:
-    """The tokenizer the file describes, built the way `AutoTokenizer.from_pretrained(folder,
-    gguf_file=...)` builds it (without re-parsing the file for a config)."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-
-        arch, tok_dict, tok_config = get_gguf_tokenizer(str(path))
-        backend, extra = convert_gguf_tokenizer(arch, tok_dict)
-        kwargs = {**tok_config, **extra}
-        tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
-        tok.name_or_path = str(path.parent)
-        return tok
-    except ImportError:  # pragma: no cover - older transformers layout
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 # ------------------------------------------------------------------ weights

@@ -28,6 +28,7 @@ from torch import nn
 
 from sous.engine.attention import AttentionMetadata, paged_attention
 from sous.engine.kv_cache.spec import KVCacheSpec
+from sous.models.layers.embedding import unloaded_embedding
 from sous.models.layers.linear import make_linear
 from sous.models.layers.moe import FusedMoE, MoEConfig
 from sous.models.layers.norm import RMSNorm
@@ -166,10 +167,7 @@ class MiniMaxM2DecoderLayer(nn.Module):
 class MiniMaxM2Model(nn.Module):
     def __init__(self, cfg: Any, head_dim: int, rotary_dim: int, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta"
-        )
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = unloaded_embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(
             MiniMaxM2DecoderLayer(cfg, head_dim, rotary_dim, dtype)
             for _ in range(cfg.num_hidden_layers)

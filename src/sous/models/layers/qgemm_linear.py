@@ -105,3 +105,21 @@ class BlockQuantLinear(nn.Module):
         y = self.ops.qgemm(xk.contiguous(), self.packed, self.scale, self.min, self.out_features,
                       self.bits, self.bias)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+class BlockQuantEmbedding(nn.Module):
+    """A token embedding read from a `BlockQuantLinear`'s packed blocks (`table`: the tied
+    output head, or one of its own), dequantising the rows it looks up (`qgemm_rows`: GGUF's
+    `q * scale + min`): no dense copy of the vocabulary is kept. `table` is shared, never
+    mutated; rows come out in `dtype` (float32 or bfloat16)."""
+
+    def __init__(self, table: BlockQuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        return t.ops.qgemm_rows(t.packed, t.scale, t.min, t.out_features, t.bits, input_ids,
+                                self.dtype)

@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm_i8", &sous::qgemm_i8,
         "x @ W^T for per-channel int8 W with per-row int8 activations (exact int32 sums)");
   m.def("qgemm_vnni", &sous::qgemm_vnni, "True when qgemm runs on AVX-512 VNNI");
+  m.def("qgemm_rows", &sous::qgemm_rows,
+        "Rows of a qgemm-packed block weight, dequantised (a quantised token embedding)");
   m.def("rms_norm", &sous::rms_norm, "Residual add + RMSNorm in one pass: (out, new residual)");
   m.def("rotary_interleaved", &sous::rotary_interleaved,
         "Rotary embedding of [T, H, D] rows whose pairs are adjacent");

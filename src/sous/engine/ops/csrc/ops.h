@@ -1,5 +1,5 @@
 // Entry points of the sous CPU ops extension (attention.cpp, gqa.cpp, index_scores.cpp,
-// threads.cpp, quant.cpp, qgemm.cpp, layer_ops.cpp).
+// threads.cpp, quant.cpp, qgemm.cpp, qgemm_rows.cpp, layer_ops.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -60,6 +60,11 @@ at::Tensor qgemm_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 
 // True when qgemm runs on AVX-512 VNNI (else a slow portable form).
 bool qgemm_vnni();
+
+// Rows `ids` [T] int64 (each in [0, n)) of a qgemm-packed block weight of n rows, dequantised
+// (q * wd + wm) into a new [T, K] tensor of `out_type` (float32 or bfloat16) (qgemm_rows.cpp).
+at::Tensor qgemm_rows(const at::Tensor& w, const at::Tensor& wd, const at::Tensor& wm, int64_t n,
+                      int64_t bits, const at::Tensor& ids, at::ScalarType out_type);
 
 // (norm(x + residual) * weight, x + residual), or (norm(x) * weight, undefined) without a
 // residual; x [T, H] float32/bfloat16 (layer_ops.cpp).

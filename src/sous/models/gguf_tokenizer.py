@@ -1,0 +1,84 @@
+"""The tokenizer of a GGUF file, converted once and then read from a disk cache.
+
+Converting a GGUF vocabulary into a fast tokenizer (transformers' GGUF integration) costs about
+a second of start-up; the result is saved with `save_pretrained` under
+`$XDG_CACHE_HOME/sous/tokenizers/<key>` (default `~/.cache/...`), where the key hashes the
+file's resolved path, size and modification time and the transformers and tokenizers versions,
+so a changed file or library converts afresh. `SOUS_TOKENIZER_CACHE=0` turns the cache off. A
+cache that cannot be written or read is skipped with a debug log: it never stops a start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import transformers
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "SOUS_TOKENIZER_CACHE"
+
+
+def cache_dir(path: Path) -> Path | None:
+    """Where the converted tokenizer of GGUF file `path` is cached; None when turned off."""
+    if os.environ.get(CACHE_ENV, "1") == "0":
+        return None
+    st = path.resolve().stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|" \
+            f"{tokenizers.__version__}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:24]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "sous" / "tokenizers" / key
+
+
+def convert_tokenizer(path: Path) -> Any:
+    """The tokenizer the file describes, built the way `AutoTokenizer.from_pretrained(folder,
+    gguf_file=...)` builds it (without re-parsing the file for a config)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    arch, tok_dict, tok_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(arch, tok_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**tok_config, **extra})
+
+
+def _save(tok: Any, where: Path) -> None:
+    """Write `tok` to `where` atomically (a complete folder or none)."""
+    tmp: Path | None = None
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=where.parent))
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, where)
+    except OSError as e:  # another process won the race, or the disk is read-only
+        logger.debug("tokenizer cache not written (%s): %s", where, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The GGUF file's tokenizer: from the cache when present, else converted (and cached).
+    `name_or_path` is the file's folder either way."""
+    from transformers import PreTrainedTokenizerFast
+
+    where = cache_dir(path)
+    tok = None
+    if where is not None and (where / "tokenizer.json").is_file():
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(str(where))
+        except Exception as e:  # noqa: BLE001 - a broken cache entry is rebuilt
+            logger.debug("tokenizer cache unreadable (%s): %s", where, e)
+            shutil.rmtree(where, ignore_errors=True)
+    if tok is None:
+        tok = convert_tokenizer(path)
+        if where is not None:
+            _save(tok, where)
+    tok.name_or_path = str(path.parent)
+    return tok
