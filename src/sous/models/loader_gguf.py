@@ -305,9 +305,9 @@ def _group_quant(data: np.ndarray, qtype: str, rows: int) -> GroupQuantWeight | 
     if qtype == "Q8_0":
         b = _blocks(data, rows, 34)
         d = b[..., :2].copy().view(_F16)[..., 0].astype(np.float32)
-        q = b[..., 2:].view(np.int8).astype(np.int16)
-        hi = ((q >> 4) + 8).astype(np.uint8)
-        lo = (q & 0x0F).astype(np.uint8)
+        q = b[..., 2:].view(np.int8)  # int8 arithmetic throughout: no wider temporaries
+        hi = ((q >> 4) + np.int8(8)).view(np.uint8)  # -8..7 -> 0..15
+        lo = (q & np.int8(0x0F)).view(np.uint8)
         return GroupQuantWeight(
             [out(hi, 16.0 * d, np.zeros_like(d)), out(lo, d, 8.0 * d)]  # type: ignore[list-item]
         )

@@ -69,7 +69,7 @@ def block_form(weight: GroupQuantWeight) -> tuple[torch.Tensor, torch.Tensor, to
     if len(planes) != 2 or not torch.equal(planes[0][1], 16.0 * planes[1][1]):
         raise ValueError("qgemm takes one 4-bit plane or a Q8_0 pair of planes")
     (hi, _, _), (lo, s_lo, _) = planes
-    return hi.to(torch.int32).mul(16).add(lo).to(torch.uint8), s_lo, mins, 8
+    return hi.mul(16).add_(lo), s_lo, mins, 8  # <= 15 * 16 + 15: exact in uint8
 
 
 def compact_scales(scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
