@@ -64,9 +64,11 @@ def resolve_max_model_len(requested: int | None, native: int) -> int:
 
 
 def freeze_startup_heap() -> None:
-    """Collect, then move every object alive now (modules, the model, the tokenizer: millions
-    of long-lived objects) out of the cyclic collector's reach, as vLLM does once its engine is
-    up: the collections that serving triggers then scan only what serving allocates."""
+    """Collect, then move every object alive now (modules, the model, the tokenizer: ~250k
+    tracked objects for the bundled model, a 130 ms full collection here) out of the cyclic
+    collector's reach, as vLLM's engine process does once it is up: collections during
+    serving then scan only what serving allocates. For processes that only serve (`sous
+    serve`); a library caller's heap is left alone."""
     gc.collect()
     gc.freeze()
 
@@ -117,7 +119,6 @@ class EngineCore:
             config=StructuredOutputsConfig.from_dict(config.structured_outputs_config))
         self.scheduler.gates.append(self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
-        freeze_startup_heap()
 
     def _size_kv_cache(self, config: EngineConfig, info: ModelInfo) -> int:
         """Blocks for the KV budget; ConfigError if one max_model_len sequence cannot fit."""

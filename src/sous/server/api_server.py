@@ -190,6 +190,7 @@ def run_server(engine_config: Any, server_config: ServerConfig | None = None) ->
 
     The engine's step loop runs on the main thread and uvicorn on a background thread."""
     from sous.engine.async_llm import AsyncLLM
+    from sous.engine.core import freeze_startup_heap
     from sous.engine.ready import ready_deadline
     from sous.server.handle import ServerHandle
 
@@ -197,6 +198,7 @@ def run_server(engine_config: Any, server_config: ServerConfig | None = None) ->
     logger.info("Loading engine ...")
     with ready_deadline(engine_config.engine_ready_timeout_s):
         engine = AsyncLLM.from_config(engine_config, start_thread=False)
+    freeze_startup_heap()
     handle = ServerHandle(engine, config, host=config.host, port=config.port)
     on_signal = _OnSignal(lambda: handle.begin_drain(config.shutdown_timeout))
     # Installed explicitly: a background job's SIGINT may arrive ignored (SIG_IGN) otherwise.
