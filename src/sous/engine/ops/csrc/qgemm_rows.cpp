@@ -34,7 +34,8 @@ void gather(const uint8_t* w, const S* wd, const S* wm, int64_t nb, int64_t bloc
         const float d = static_cast<float>(wd[si]), m = static_cast<float>(wm[si]);
         for (int64_t e = 0; e < QK; ++e) {
           const int64_t s = e / 4, j = e % 4;
-          const int q = bits == 8 ? src[64 * s + j] : (src[64 * (s % 4) + j] >> (s < 4 ? 0 : 4)) & 15;
+          const int q = bits == 8 ? src[64 * s + j]
+                                  : (src[64 * (s % 4) + j] >> (s < 4 ? 0 : 4)) & 15;
           const float scaled = static_cast<float>(q) * d;
           out[r * k + b * QK + e] = static_cast<O>(scaled + m);
         }
