@@ -64,12 +64,12 @@ def resolve_max_model_len(requested: int | None, native: int) -> int:
 
 
 def freeze_startup_heap() -> None:
-    """Collect, then move every object alive now (modules, the model, the tokenizer: ~250k
-    tracked objects for the bundled model, a 130 ms full collection here) out of the cyclic
-    collector's reach, as vLLM's engine process does once it is up: collections during
-    serving then scan only what serving allocates. For processes that only serve (`sous
-    serve`); a library caller's heap is left alone."""
-    gc.collect()
+    """Move every object alive now (modules, the model, the tokenizer: ~250k tracked objects
+    for the bundled model, a 130 ms full collection here) out of the cyclic collector's
+    reach, as vLLM's engine process does once it is up: collections during serving then scan
+    only what serving allocates. No collection first: at this point one frees nothing and
+    would add its 130 ms to start-up. For processes that only serve (`sous serve`); a
+    library caller's heap is left alone."""
     gc.freeze()
 
 

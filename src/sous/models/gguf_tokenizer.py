@@ -20,6 +20,9 @@ from typing import Any
 
 import tokenizers
 import transformers
+from transformers import PreTrainedTokenizerFast
+
+from sous.user_cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +33,17 @@ def cache_dir(path: Path) -> Path | None:
     """Where the converted tokenizer of GGUF file `path` is cached; None when turned off."""
     if os.environ.get(CACHE_ENV, "1") == "0":
         return None
-    st = path.resolve().stat()
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|" \
+    real = path.resolve()
+    st = real.stat()
+    ident = f"{real}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|" \
             f"{tokenizers.__version__}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:24]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "sous" / "tokenizers" / key
+    return cache_root() / "tokenizers" / key
 
 
 def convert_tokenizer(path: Path) -> Any:
     """The tokenizer the file describes, built the way `AutoTokenizer.from_pretrained(folder,
     gguf_file=...)` builds it (without re-parsing the file for a config)."""
-    from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
     arch, tok_dict, tok_config = get_gguf_tokenizer(str(path))
@@ -66,8 +68,6 @@ def _save(tok: Any, where: Path) -> None:
 def load_tokenizer(path: Path) -> Any:
     """The GGUF file's tokenizer: from the cache when present, else converted (and cached).
     `name_or_path` is the file's folder either way."""
-    from transformers import PreTrainedTokenizerFast
-
     where = cache_dir(path)
     tok = None
     if where is not None and (where / "tokenizer.json").is_file():

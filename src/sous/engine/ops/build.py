@@ -30,6 +30,8 @@ from types import ModuleType
 
 import torch
 
+from sous.user_cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 NAME = "sous_ops"
@@ -44,9 +46,8 @@ def build_dir() -> Path:
     env = os.environ.get("SOUS_OPS_BUILD_DIR")
     if env:
         return Path(env)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     tag = f"{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return cache / "sous" / "ops" / f"{tag}-{_cpu_tag()}"
+    return cache_root() / "ops" / f"{tag}-{_cpu_tag()}"
 
 
 def _cpu_tag() -> str:
