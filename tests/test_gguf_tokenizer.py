@@ -72,8 +72,13 @@ def test_broken_entry_is_rebuilt(cache_home: Path) -> None:
 
 def test_off_and_unwritable(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = bundled_gguf_path()
+    for off in ("0", "off", " False "):
+        monkeypatch.setenv(gt.CACHE_ENV, off)
+        assert gt.cache_dir(path) is None
+    monkeypatch.setenv(gt.CACHE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SOUS_TOKENIZER_CACHE='sometimes'"):
+        gt.load_tokenizer(path)
     monkeypatch.setenv(gt.CACHE_ENV, "0")
-    assert gt.cache_dir(path) is None
     assert gt.load_tokenizer(path).encode(TEXTS[1])
     monkeypatch.delenv(gt.CACHE_ENV)
     (cache_home / "sous").write_text("a file where the cache folder would be")

@@ -76,6 +76,14 @@ def test_bad_cpu_kvcache_space_names_the_variable(value: str) -> None:
     assert exc.value.code == 2
 
 
+def test_bad_tokenizer_cache_flag_stops_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_serve_args([], environ={"SOUS_TOKENIZER_CACHE": "maybe"})
+    assert exc.value.code == 2
+    assert "SOUS_TOKENIZER_CACHE='maybe'" in capsys.readouterr().err
+    parse_serve_args([], environ={"SOUS_TOKENIZER_CACHE": "off"})  # the accepted spellings
+
+
 def test_cpu_kv_budget_sources() -> None:
     cpu = torch.device("cpu")
     assert kv_cache_budget_bytes(CacheConfig(), cpu, 0) == CPU_KVCACHE_SPACE_DEFAULT_BYTES

@@ -5,7 +5,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["env_values"]
+__all__ = ["TOKENIZER_CACHE_ENV", "env_flag", "env_values"]
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+TOKENIZER_CACHE_ENV = "SOUS_TOKENIZER_CACHE"
+"""On (default) / off: the disk cache of converted GGUF tokenizers
+(`sous.models.gguf_tokenizer`)."""
+
+
+def env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """A boolean variable: 1 / true / yes / on or 0 / false / no / off (any case, spaces
+    ignored); `default` when unset. Any other value is a ValueError naming the variable."""
+    if name not in environ:
+        return default
+    raw = environ[name].strip().lower()
+    if raw not in _TRUE + _FALSE:
+        raise ValueError(f"{name}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+    return raw in _TRUE
 
 
 def _positive_seconds(environ: Mapping[str, str], name: str) -> float | None:
@@ -58,4 +75,5 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
 
     if ENV_VAR in environ:  # a bad value: `sous serve` exits 2 naming the variable
         out["enable_sub_block_cache"] = env_enabled(environ)
+    env_flag(environ, TOKENIZER_CACHE_ENV, True)  # a bad value stops `sous serve` at once
     return out

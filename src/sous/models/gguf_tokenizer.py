@@ -4,8 +4,10 @@ Converting a GGUF vocabulary into a fast tokenizer (transformers' GGUF integrati
 a second of start-up; the result is saved with `save_pretrained` under
 `$XDG_CACHE_HOME/sous/tokenizers/<key>` (default `~/.cache/...`), where the key hashes the
 file's resolved path, size and modification time and the transformers and tokenizers versions,
-so a changed file or library converts afresh. `SOUS_TOKENIZER_CACHE=0` turns the cache off. A
-cache that cannot be written or read is skipped with a debug log: it never stops a start.
+so a changed file or library converts afresh. `SOUS_TOKENIZER_CACHE=0` (false/no/off) turns
+the cache off; another value than those or 1/true/yes/on is a ValueError naming it (`sous
+serve` checks it with its flags: exit 2). A cache that cannot be written or read is skipped
+with a debug log: it never stops a start.
 """
 
 from __future__ import annotations
@@ -22,16 +24,17 @@ import tokenizers
 import transformers
 from transformers import PreTrainedTokenizerFast
 
+from sous.config.env_vars import TOKENIZER_CACHE_ENV, env_flag
 from sous.user_cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "SOUS_TOKENIZER_CACHE"
+CACHE_ENV = TOKENIZER_CACHE_ENV
 
 
 def cache_dir(path: Path) -> Path | None:
     """Where the converted tokenizer of GGUF file `path` is cached; None when turned off."""
-    if os.environ.get(CACHE_ENV, "1") == "0":
+    if not env_flag(os.environ, CACHE_ENV, True):
         return None
     real = path.resolve()
     st = real.stat()

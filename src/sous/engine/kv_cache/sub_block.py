@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sous.config.env_vars import env_flag
 from sous.engine.kv_cache.block_pool import KVCacheBlock
 
 logger = logging.getLogger(__name__)
@@ -50,17 +51,13 @@ class SubBlockHit:
     """Matched tokens: a multiple of the sub-block size, less than the block size."""
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def env_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """`VLLM_RBLN_SUB_BLOCK_CACHE`: on unless 0 / false / no / off (vllm-rbln's default is
     on); any other value is a ValueError naming the variable. Read once, when the engine's
     configuration is parsed (`sous.config.engine_args`): the engine reads `CacheConfig`."""
-    raw = environ.get(ENV_VAR, "1").strip().lower()
-    if raw not in _TRUE + _FALSE:
-        raise ValueError(f"{ENV_VAR}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
-    return raw in _TRUE
+    return env_flag(environ, ENV_VAR, True)
 
 
 def resolve_sub_block_size(
