@@ -22,6 +22,7 @@ Quantised safetensors checkpoints (FP8 block, ModelOpt and compressed-tensors NV
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -161,12 +162,17 @@ def _locate(model_config: ModelConfig) -> tuple[Path, bool]:
     return p, False
 
 
-def _progress(items: Iterable[_T], total: int, desc: str) -> Iterator[_T]:
+@contextlib.contextmanager
+def _progress(items: Iterable[_T], total: int, desc: str) -> Iterator[Iterator[_T]]:
+    """`items` behind a progress bar on stderr. The bar is closed (its line ended) when the
+    block exits, also on an error, so that a start-up error prints on a line of its own."""
     from tqdm import tqdm
 
-    yield from tqdm(
-        items, total=total, desc=desc, unit="tensor", file=sys.stderr, dynamic_ncols=True
-    )
+    bar = tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, dynamic_ncols=True)
+    try:
+        yield iter(bar)
+    finally:
+        bar.close()
 
 
 def _apply_chat_template_override(tokenizer: Any, chat_template: str | None) -> None:
@@ -214,7 +220,8 @@ def _load_gguf(path: Path, mc: ModelConfig, device: torch.device) -> LoadedModel
     dense_fallback = keep_quantized and 0 < gg.dense_bytes(reader, dtype) <= limit
     model = _build_model(hf_config, dtype, device)
     weights = gg.iter_weights(reader, hf_config, dtype, keep_quantized, dense_fallback)
-    model.load_weights(_progress(weights, len(reader.tensors), "Loading GGUF weights"))  # type: ignore[operator]
+    with _progress(weights, len(reader.tensors), "Loading GGUF weights") as bar:
+        model.load_weights(bar)  # type: ignore[operator]
     tok_dir = Path(mc.tokenizer) if mc.tokenizer else None
     tokenizer = _load_hf_tokenizer(tok_dir) if tok_dir else load_gguf_tokenizer(path)
     eos = _unique([*gg.eos_token_ids(reader), tokenizer.eos_token_id])
@@ -257,11 +264,10 @@ def _load_folder(path: Path, mc: ModelConfig, lc: LoadConfig, device: torch.devi
     files = st.safetensors_files(path)
     model = _build_model(hf_config, dtype, device)
     total = st.count_tensors(files)
-    weights = _progress(
-        st.iter_weights(files, lc.safetensors_load_strategy), total, "Loading safetensors weights"
-    )
-    deq = DequantizedWeights(weights, quant, dtype) if quant is not None else None
-    model.load_weights(weights if deq is None else deq)  # type: ignore[operator]
+    tensors = st.iter_weights(files, lc.safetensors_load_strategy)
+    with _progress(tensors, total, "Loading safetensors weights") as weights:
+        deq = DequantizedWeights(weights, quant, dtype) if quant is not None else None
+        model.load_weights(weights if deq is None else deq)  # type: ignore[operator]
     if deq is not None:
         logger.info("Loaded a %s checkpoint: %d weights dequantised to %s",
                     deq.config.method, deq.num_dequantized, dtype)
