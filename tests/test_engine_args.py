@@ -66,7 +66,7 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], True),
     (["--tool-call-parser", "minimax_m2"], True),
     (["--reasoning-parser", "minimax_m2"], True),
-    (["--kv-transfer-config", _KV_BOTH], False),
+    (["--kv-transfer-config", _KV_BOTH], True),
     (["--kv-events-config", _EVENTS], True),
     (["--speculative-config", _EAGLE], False),
 ]
@@ -294,7 +294,7 @@ def test_kwargs_api(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(NotSupportedYetError, match=r"`tensor_parallel_size=2` is not supported"):
         engine_config_from_kwargs(tensor_parallel_size=2)
     cfg = {"kv_connector": "X", "kv_role": "kv_both"}
-    with pytest.raises(NotSupportedYetError, match="kv_transfer_config"):
+    with pytest.raises(ValueError, match="unknown kv_connector 'X'; known: LMCacheConnectorV1"):
         engine_config_from_kwargs(kv_transfer_config=cfg)
 
 

@@ -80,6 +80,8 @@ class RequestResult:
     output_tokens: int = 0
     """`usage.completion_tokens`, or the number of text chunks when usage is missing."""
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """`usage.prompt_tokens_details.cached_tokens`, when the server reports it."""
     text: str = ""
     error: str | None = None
 
@@ -196,6 +198,7 @@ async def stream_request(client: httpx.AsyncClient, target: Target, prompt: str)
         ok=True, e2e_s=e2e, ttft_s=ttft, itl_s=itl,
         output_tokens=int(tokens) if tokens is not None else len(parts),
         prompt_tokens=usage.get("prompt_tokens") if usage else None,
+        cached_tokens=((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
         text="".join(parts),
     )
 

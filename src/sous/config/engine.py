@@ -24,7 +24,9 @@ class EngineConfig:
     """`cpu`, `cuda`, or `auto` (cuda when available)."""
     kv_transfer_config: dict[str, Any] | None = None
     """KV connector configuration as JSON, vLLM's shape: `{"kv_connector": ..., "kv_role": ...,
-    "kv_connector_extra_config": {...}}`."""
+    "kv_connector_extra_config": {...}}`. Connectors: `LMCacheConnectorV1` /
+    `RBLNLMCacheConnectorV1` (KV offload tiers, configured by LMCache's `LMCACHE_*` variables
+    or `LMCACHE_CONFIG_FILE`) and `MultiConnector` (`{"connectors": [...]}`)."""
     kv_events_config: dict[str, Any] | None = None
     """KV cache event publishing as JSON, vLLM's shape: `{"enable_kv_cache_events": true,
     "publisher": "zmq", "endpoint": ..., "topic": ...}`."""

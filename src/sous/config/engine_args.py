@@ -112,6 +112,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "max_request_body_bytes": at_least(1),
     "shutdown_timeout": at_least(0),
     "kv_events_config": lambda v: _kv_events_problem(v),
+    "kv_transfer_config": lambda v: _kv_transfer_problem(v),
     "structured_outputs_config": lambda v: _structured_outputs_problem(v),
     "tool_call_parser": lambda v: _parser_problem("tool_parsers", "tool call", v),
     "reasoning_parser": lambda v: _parser_problem("reasoning", "reasoning", v),
@@ -135,6 +136,25 @@ def _kv_events_problem(value: dict[str, Any] | None) -> str | None:
         KVEventsConfig.from_dict(value or {})
     except (TypeError, ValueError) as e:
         return str(e).removeprefix("--kv-events-config: ")
+    return None
+
+
+def _planned_connectors(value: Any) -> list[str]:
+    from sous.kv_transfer.factory import planned_connectors
+
+    return planned_connectors(value)
+
+
+def _kv_transfer_problem(value: dict[str, Any] | None) -> str | None:
+    from sous.kv_transfer.config import KVTransferConfig
+    from sous.kv_transfer.factory import check_connector_name
+
+    if value is None:
+        return None
+    try:
+        check_connector_name(KVTransferConfig.from_dict(value))
+    except (TypeError, ValueError) as e:
+        return str(e).removeprefix("--kv-transfer-config: ")
     return None
 
 
@@ -181,8 +201,9 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("distributed_executor_backend", lambda v: v in ("ray", "external_launcher"),
            "--distributed-executor-backend", "sous runs workers in processes (`mp`) or in the "
            "engine's process (`uni`)", "ray|external_launcher"),
-    NotYet("kv_transfer_config", lambda v: v is not None, "--kv-transfer-config",
-           "KV connectors (offload, P/D transfer) are planned"),
+    NotYet("kv_transfer_config", lambda v: bool(_planned_connectors(v)), "--kv-transfer-config",
+           "P/D KV transfer (NixlConnector, RblnNixlConnector) is planned; the offload "
+           "connectors (LMCacheConnectorV1, RBLNLMCacheConnectorV1) run", "NixlConnector"),
     NotYet("speculative_config", lambda v: v is not None, "--speculative-config",
            "speculative decoding is planned"),
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import uuid
 from dataclasses import replace
 
 import torch
@@ -32,6 +33,7 @@ from sous.engine.request import Request, RequestStatus
 from sous.engine.runner import ModelRunner
 from sous.engine.sampling_params import SamplingParams
 from sous.engine.scheduler import Scheduler, SchedulerStats
+from sous.engine.scheduler_output import SchedulerOutput
 from sous.engine.structured_output.manager import StructuredOutputManager
 from sous.engine.validation import (
     INT64_MAX,
@@ -42,7 +44,9 @@ from sous.engine.validation import (
     resolve_max_tokens,
 )
 from sous.engine.worker import ModelInfo
+from sous.kv_transfer.base import KVConnectorRole
 from sous.kv_transfer.events import KVEventsConfig, ZmqEventPublisher
+from sous.kv_transfer.factory import check_placement, make_connector
 from sous.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -63,6 +67,15 @@ def resolve_max_model_len(requested: int | None, native: int) -> int:
     return requested
 
 
+def with_engine_id(config: EngineConfig) -> EngineConfig:
+    """`config` with a KV connector's `engine_id` set (a fresh UUID unless given, as vLLM):
+    the connector's scheduler and worker sides find each other by it."""
+    transfer = config.kv_transfer_config
+    if transfer is None or transfer.get("engine_id"):
+        return config
+    return replace(config, kv_transfer_config={**transfer, "engine_id": uuid.uuid4().hex})
+
+
 def freeze_startup_heap() -> None:
     """Move every object alive now (modules, the model, the tokenizer: ~250k tracked objects
     for the bundled model, a 130 ms full collection here) out of the cyclic collector's
@@ -79,6 +92,8 @@ class EngineCore:
     this process or a worker process (`--distributed-executor-backend mp`)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        check_placement(config)
+        config = with_engine_id(config)
         self.config = config
         start = time.monotonic()
         self.executor = make_executor(config, loaded)
@@ -113,6 +128,9 @@ class EngineCore:
                                                sub_block_size=sub_block_size)
         sched_config = replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_config, self.kv_cache_manager)
+        if config.kv_transfer_config is not None:
+            self.scheduler.connector = make_connector(config, KVConnectorRole.SCHEDULER,
+                                                      spec, info)
         self.structured_output_manager = StructuredOutputManager(
             self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
             config.scheduler.max_num_seqs,
@@ -161,7 +179,10 @@ class EngineCore:
 
     def _publish_events(self) -> None:
         if self.publisher is not None:
-            self.publisher.publish(self.kv_cache_manager.take_events())
+            events = self.kv_cache_manager.take_events()
+            if self.scheduler.connector is not None:
+                events += self.scheduler.connector.take_events()
+            self.publisher.publish(events)
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -239,7 +260,7 @@ class EngineCore:
         scheduled = self.scheduler.scheduled_requests(out)
         out.grammar = so.grammar_output(scheduled)
         runner_out = self.executor.execute_model(out)
-        failed = []
+        failed = self._rewind_failed_loads(out, runner_out.kv_load_errors)
         for request in scheduled:
             error = runner_out.failed.get(request.request_id)
             if error is not None:  # nothing of theirs is kept
@@ -258,6 +279,21 @@ class EngineCore:
         self._fail(failed)
         self._publish_events()
         return out.total_num_scheduled_tokens
+
+    def _rewind_failed_loads(self, out: SchedulerOutput, errors: dict[str, int]
+                             ) -> list[tuple[Request, str]]:
+        """Requests whose KV load came up short sat the step out: rewind them to their valid
+        tokens to recompute the rest, or (`kv_load_failure_policy` fail) fail them."""
+        failed = []
+        connector = self.scheduler.connector
+        for rid, num_valid in errors.items():
+            request = self.scheduler.requests[rid]
+            self.scheduler.rewind(request, num_valid)
+            del out.num_scheduled_tokens[rid]
+            if connector is not None and connector.config.kv_load_failure_policy == "fail":
+                failed.append((request, "its KV cache load failed "
+                                        "(kv_load_failure_policy: fail)"))
+        return failed
 
     def _fail(self, failed: list[tuple[Request, str]], log: bool = True) -> None:
         """Finish (as aborted, with a final output) requests that cannot run, e.g. whose

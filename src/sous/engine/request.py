@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sous.engine.sampling_params import SamplingParams
 
@@ -72,6 +72,8 @@ class Request:
     structured_output_request: StructuredOutputRequest | None = None
     """Grammar state when `sampling_params.structured_outputs` is set (owned by the
     StructuredOutputManager)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the KV connector returned when the request finished (P/D: the remote blocks)."""
     sub_block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the sub-blocks of `all_token_ids` (sub-block prefix caching only)."""
 

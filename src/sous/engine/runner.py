@@ -18,8 +18,11 @@ Seams for the features built on it:
   plugs in;
 - `aux_hidden_state_layers`: the model also returns those layers' hidden states (EAGLE-3);
 - `proposer`: after sampling, drafts tokens for the next step;
+- `connector`: a KV connector's worker side (`sous.kv_transfer.base`): loads before the
+  forward pass (a request whose load comes up short sits the step out, reported in
+  `ModelRunnerOutput.kv_load_errors`) and saves after it;
 - `kv_hooks`: per-layer calls before attention reads a layer's KV and after it writes it
-  (KV connectors load and save there), carried to attention in the metadata.
+  (a connector that moves KV layer by layer), carried to attention in the metadata.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from sous.engine.outputs import Logprob
 from sous.engine.sampler import sample
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sous.engine.step_inputs import StepInputs, build_step_inputs
+from sous.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +87,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_reqs, row_len, cdiv(row_len, block_size))
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer: Proposer | None = None
+        self.connector: KVConnectorBase | None = None
         self.kv_hooks: KVLayerHooks | None = None
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] = []
@@ -149,6 +154,24 @@ class ModelRunner:
         for op in so.kv_cache_copy_ops:
             self.copy_slots(self.kv_caches, op.src_block_id, op.dst_block_id, op.num_tokens)
         req_ids = [r for r in so.num_scheduled_tokens if r in self.requests]
+        connector = self.connector
+        if connector is None:
+            return self._run(req_ids, so, result)
+        assert so.kv_connector_metadata is not None
+        connector.bind_connector_metadata(so.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            result.kv_load_errors = connector.get_load_errors()
+            req_ids = [r for r in req_ids if r not in result.kv_load_errors]
+            self._run(req_ids, so, result)
+            connector.wait_for_save(set(result.failed) | set(result.kv_load_errors))
+            return result
+        finally:
+            connector.clear_connector_metadata()
+
+    def _run(self, req_ids: list[str], so: SchedulerOutput,
+             result: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Run `req_ids`' share of the step, isolating a failing request (module docstring)."""
         if not req_ids:
             return result
         saved = {r: s.generator.get_state() for r in req_ids

@@ -6,6 +6,10 @@ and preemption are the same arithmetic. Running requests go first, in admission 
 blocks run out the last-admitted running request is preempted (its KV freed, recomputed later).
 Waiting requests are admitted only in steps without preemption.
 
+A KV connector (`connector`, `sous.kv_transfer.base`) adds external hits: on admission the
+tokens it can load beyond the local prefix cache count as computed, and it plans their load
+(and its saves) in `SchedulerOutput.kv_connector_metadata`.
+
 The scheduler owns the Request objects; what it hands the worker is a `SchedulerOutput` of
 plain data: a request in full the first time it is scheduled, then per-step diffs (new
 blocks, progress, resumption after preemption), and the ids finished since the last step.
@@ -22,6 +26,7 @@ from sous.config.scheduler import SchedulerConfig
 from sous.engine.kv_cache.manager import KVCacheManager
 from sous.engine.request import Request, RequestStatus
 from sous.engine.scheduler_output import NewRequestData, SchedulerOutput
+from sous.kv_transfer.base import KVConnectorBase
 
 
 @dataclass
@@ -69,6 +74,8 @@ class Scheduler:
         self.finish_hooks: list[FinishHook] = []
         self.delayed: dict[str, Request] = {}
         """Finished requests whose blocks a FinishHook keeps (see `free_delayed`)."""
+        self.connector: KVConnectorBase | None = None
+        """A KV connector's scheduler side (set by the engine when one is configured)."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -92,6 +99,9 @@ class Scheduler:
             self._describe(out, request, n)
             request.num_computed_tokens += n
         out.kv_cache_copy_ops = self.kv.take_copy_ops()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(
+                out, [r for r, _ in scheduled])
         if scheduled:  # an empty step reaches no worker: the ids wait for the next one
             out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         return out
@@ -156,15 +166,25 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             computed, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = self._num_new_tokens(request, num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, n, computed) is None:
+            num_external = 0
+            if self.connector is not None:
+                ext, _ = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                if ext is None:  # the connector cannot tell yet: ask again next step
+                    skipped.append(self.waiting.popleft())
+                    continue
+                num_external = ext
+            n = self._num_new_tokens(request, num_hit_tokens + num_external, budget)
+            if self.kv.allocate_slots(request, n, computed, num_external) is None:
                 break
             self.kv.record_prefix_cache_stats(request, num_hit_tokens)
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, self.kv.get_block_ids(request.request_id), num_external)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens + num_external
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
             scheduled.append((request, n))
             budget -= n
@@ -226,7 +246,12 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
         for request in finished:
             block_ids = self.kv.get_block_ids(request.request_id)
-            if any([h.request_finished(request, block_ids) for h in self.finish_hooks]):
+            delay = any([h.request_finished(request, block_ids) for h in self.finish_hooks])
+            if self.connector is not None:
+                keep, request.kv_transfer_params = self.connector.request_finished(
+                    request, block_ids)
+                delay = delay or keep
+            if delay:
                 self.delayed[request.request_id] = request
             else:
                 self.kv.free(request)
@@ -240,6 +265,13 @@ class Scheduler:
         request = self.delayed.pop(request_id, None)
         if request is not None:
             self.kv.free(request)
+
+    def rewind(self, request: Request, num_valid_tokens: int) -> None:
+        """A request's KV load came up short: only its first `num_valid_tokens` tokens are in
+        its blocks. It recomputes the rest (its blocks past them are un-indexed)."""
+        self.kv.discard_unwritten(request, num_valid_tokens)
+        request.num_computed_tokens = num_valid_tokens
+        request.num_cached_tokens = min(request.num_cached_tokens, num_valid_tokens)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -18,6 +18,7 @@ from sous.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from sous.engine.structured_output.bitmask import GrammarOutput
+    from sous.kv_transfer.base import KVConnectorMetadata
 
 
 @dataclass
@@ -79,6 +80,8 @@ class SchedulerOutput:
     """Sub-block prefix-cache hits: KV slots to copy before the forward pass."""
     grammar: GrammarOutput | None = None
     """Token bitmask of the structured-output rows (set by the engine after scheduling)."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """The KV connector's plan for this step (loads, saves), for its worker side."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -100,8 +103,12 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose part of the step raised (id -> error): they produced nothing, their
     new KV slots are not valid, and the engine must finish them (aborted)."""
+    kv_load_errors: dict[str, int] = field(default_factory=dict)
+    """Requests whose KV connector load came up short (id -> leading tokens whose KV is
+    valid): they sat out the step; the engine rewinds them to recompute the rest."""
 
     def merge(self, other: ModelRunnerOutput) -> None:
         self.sampled_token_ids.update(other.sampled_token_ids)
         self.logprobs.update(other.logprobs)
         self.failed.update(other.failed)
+        self.kv_load_errors.update(other.kv_load_errors)

@@ -22,6 +22,8 @@ from sous.config.engine import EngineConfig
 from sous.engine.cpu_threads import CpuBinding, apply_cpu_threads
 from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sous.kv_transfer.base import KVConnectorRole
+from sous.kv_transfer.factory import make_connector
 from sous.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,13 @@ class Worker:
             self.loaded.model, kv_caches, cache.block_size, self.device,
             seed=self.config.model.seed, max_num_reqs=self.config.scheduler.max_num_seqs,
             max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids))
+        if self.config.kv_transfer_config is not None:
+            connector = make_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_spec,
+                                       self.loaded)
+            connector.register_kv_caches(kv_caches, cache.block_size)
+            self.runner.connector = connector
+            if connector.uses_layer_hooks:
+                self.runner.kv_hooks = connector
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.cpu_binding is not None:  # steps on another thread use that thread's OpenMP pool
@@ -106,5 +115,7 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.connector is not None:
+            self.runner.connector.shutdown()
         self.runner = None
         self.loaded = None

@@ -156,14 +156,17 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: ComputedBlocks | None = None,
+        num_external_tokens: int = 0,
         num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Reserve blocks so `num_computed_tokens + hit tokens + num_new_tokens (+ lookahead)`
-        tokens fit. Returns the newly allocated blocks, or None when the pool is too small."""
+        """Reserve blocks so `num_computed_tokens + hit tokens + external tokens (a KV
+        connector loads them into the new blocks) + num_new_tokens (+ lookahead)` tokens fit.
+        Returns the newly allocated blocks, or None when the pool is too small."""
         computed = new_computed_blocks or ComputedBlocks([])
         hits, sub_hit = computed.blocks, computed.sub_block
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + computed.num_tokens(self.block_size)
+        num_computed = (request.num_computed_tokens + computed.num_tokens(self.block_size)
+                        + num_external_tokens)
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = num_required - len(blocks) - len(hits)
         # Hit blocks (and a copy source) sitting in the free queue stop being free once touched.

@@ -1,0 +1,1 @@
+"""KV offload through LMCache: connector, configuration, storage plugins."""

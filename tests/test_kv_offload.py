@@ -1,0 +1,266 @@
+"""KV offload tiers on LMCache through real `sous serve` processes: a long prompt asked,
+evicted from the (deliberately small) device cache by other traffic and asked again is
+served from the CPU tier, the disk tier, the RDS plugin and a real Redis (also from a fresh
+server process), with greedy output identical to the uncached answer and `cached_tokens` the
+chunk-aligned hit. Faults: Redis down and back, corrupted values, bad start-up input."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import openai
+import pytest
+import zmq
+
+from redis_server import RedisServer
+from serve_process import free_port, sous_serve
+
+CHUNK = 64
+PROMPT_TOKENS = 422
+HIT = PROMPT_TOKENS // CHUNK * CHUNK  # 384: the device cache alone would give 416
+LMCACHE = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+RBLN = json.dumps({"kv_connector": "RBLNLMCacheConnectorV1", "kv_role": "kv_both"})
+SMALL = ["--num-gpu-blocks-override", "40", "--max-model-len", "600"]
+"""40 blocks of 16 tokens: three other prompts of ~420 tokens evict a prompt entirely."""
+_WORDS = ["apple", "river", "stone", "cloud", "green", "music", "table", "seven", "north",
+          "light"]
+
+
+def prompt(seed: int) -> str:
+    """~422 tokens of the bundled model's tokenizer."""
+    rng = random.Random(seed)
+    return f"Story {seed}: " + " ".join(rng.choice(_WORDS) for _ in range(419))
+
+
+def ask(url: str, text: str) -> tuple[str, int]:
+    """Greedy completion: (text, cached_tokens)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=text,
+                                  max_tokens=12, temperature=0)
+    details = r.usage.prompt_tokens_details
+    return r.choices[0].text, details.cached_tokens if details else 0
+
+
+def evict(url: str, seed: int) -> None:
+    for i in range(3):
+        ask(url, prompt(10_000 + seed * 10 + i))
+
+
+def env(**values: object) -> dict[str, str]:
+    return {"LMCACHE_CHUNK_SIZE": str(CHUNK), **{k: str(v) for k, v in values.items()}}
+
+
+def assert_served_again(url: str, seed: int) -> None:
+    first, cached = ask(url, prompt(seed))
+    assert cached == 0
+    evict(url, seed)
+    assert ask(url, prompt(seed)) == (first, HIT)
+
+
+def test_cpu_tier_from_config_file_publishes_kv_events(tmp_path: Path) -> None:
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 0.2\n")
+    port = free_port()
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": f"tcp://*:{port}", "topic": "kv"})
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    log = tmp_path / "serve.log"
+    with sous_serve([*SMALL, "--kv-transfer-config", LMCACHE, "--kv-events-config", events],
+                    log, env={"LMCACHE_CONFIG_FILE": str(config)}) as url:
+        assert_served_again(url, 1)
+        stored = []
+        while sub.poll(1000):
+            _, _, payload = sub.recv_multipart()
+            stored += [e for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored"]
+    sub.close()
+    text = log.read_text()
+    assert "KV offload (LMCache LMCacheConnectorV1, chunks of 64 tokens" in text
+    assert "CPU (0.2 GB, " in text
+    offload = [e for e in stored if e[6] == "CPU"]
+    assert offload and all(e[4] == CHUNK and len(e[3]) == CHUNK for e in offload)
+    assert any(e[6] == "GPU" for e in stored)  # the device prefix cache's own events
+
+
+def test_disk_tier_with_cpu_tier_off_inside_multi_connector(tmp_path: Path) -> None:
+    child = {"kv_connector": "RBLNLMCacheConnectorV1", "kv_role": "kv_both",
+             "kv_connector_module_path": "lmcache_rbln.integration.vllm.connector",
+             "kv_connector_extra_config": {"name": "lmcache"}}  # as the recipes' P/D mode
+    multi = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"connectors": [child]}})
+    disk = tmp_path / "disk"
+    with sous_serve([*SMALL, "--kv-transfer-config", multi], tmp_path / "serve.log",
+                    env=env(LMCACHE_LOCAL_CPU="False", LMCACHE_MAX_LOCAL_CPU_SIZE=0.1,
+                            LMCACHE_LOCAL_DISK=f"file://{disk}",
+                            LMCACHE_MAX_LOCAL_DISK_SIZE=0.2)) as url:
+        assert_served_again(url, 2)
+        assert len(list(disk.iterdir())) >= HIT // CHUNK
+    assert "disk " + str(disk) in (tmp_path / "serve.log").read_text()
+
+
+def test_rds_plugin_as_the_recipe_configures_it(tmp_path: Path) -> None:
+    extra = {"storage_plugin.RDSBackend.module_path": "lmcache_rbln.storage_plugin.rds_backend",
+             "storage_plugin.RDSBackend.class_name": "RDSBackend",
+             "storage_plugin.RDSBackend.path": str(tmp_path / "rds"),
+             "storage_plugin.RDSBackend.rds_max_chunks": 64}
+    with sous_serve([*SMALL, "--kv-transfer-config", RBLN], tmp_path / "serve.log",
+                    env=env(LMCACHE_LOCAL_CPU="False", LMCACHE_MAX_LOCAL_CPU_SIZE=0,
+                            LMCACHE_STORAGE_PLUGINS="RDSBackend",
+                            LMCACHE_EXTRA_CONFIG=json.dumps(extra))) as url:
+        assert_served_again(url, 3)
+    assert "plugin RDSBackend (sous.kv_transfer.offload.rds_backend)" in \
+        (tmp_path / "serve.log").read_text()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    server = RedisServer(tmp_path / "redis.log").start()
+    yield server
+    server.stop()
+
+
+def wait_for_keys(server: RedisServer, n: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.client().dbsize() < n:
+        assert time.monotonic() < deadline, "nothing reached Redis"
+        time.sleep(0.2)
+
+
+def test_redis_tier_across_processes_and_faults(tmp_path: Path, redis_server: RedisServer) -> None:
+    remote = env(LMCACHE_LOCAL_CPU="False", LMCACHE_MAX_LOCAL_CPU_SIZE=0.1,
+                 LMCACHE_REMOTE_URL=redis_server.url)
+    args = [*SMALL, "--kv-transfer-config", LMCACHE]
+    client = redis_server.client()
+    answers, keys = {}, {}
+    with sous_serve(args, tmp_path / "first.log", env=remote) as url:
+        for seed in (4, 5, 6):
+            before = set(client.keys("*"))
+            answers[seed] = ask(url, prompt(seed))[0]
+            wait_for_keys(redis_server, len(before) + 2 * (HIT // CHUNK))
+            keys[seed] = sorted(k.decode() for k in set(client.keys("*")) - before)
+    # LMCache's layout: "<model>@<world size>@<rank>@<chunk hash hex>@<dtype>" + two suffixes.
+    assert all(k.startswith("SmolLM2-135M-Instruct@1@0@") for k in keys[4])
+    assert all(k.endswith(("@bfloat16kv_bytes", "@bfloat16metadata")) for k in keys[4]), keys[4]
+    # Prompt 5: a truncated value; prompt 6: metadata of another dtype. Misses, never garbage.
+    truncated = next(k for k in keys[5] if k.endswith("kv_bytes"))
+    client.set(truncated, client.get(truncated)[:1000])
+    for key in keys[6]:
+        if key.endswith("metadata"):
+            client.set(key, _with_dtype(client.get(key), "float16"))
+    log = tmp_path / "second.log"
+    with sous_serve(args, log, env=remote) as url:  # a fresh process: only Redis has the KV
+        assert ask(url, prompt(4)) == (answers[4], HIT)
+        assert ask(url, prompt(5))[0] == answers[5]
+        assert ask(url, prompt(6))[0] == answers[6]
+        redis_server.stop()
+        for seed in (7, 8, 9):  # Redis down: uncached, and still correct
+            assert ask(url, prompt(seed))[1] == 0
+        evict(url, 4)
+        assert ask(url, prompt(4)) == (answers[4], 0)
+        redis_server.start()
+        time.sleep(12)  # LMCache reconnects at most every 10 s
+        first = ask(url, prompt(11))[0]
+        wait_for_keys(redis_server, 2 * (HIT // CHUNK))
+        evict(url, 11)
+        assert ask(url, prompt(11)) == (first, HIT)
+    text = log.read_text()
+    assert text.count("remote tier redis://") == 2  # down once, back once: not per request
+    assert "is down" in text and "answers again" in text
+
+
+def _with_dtype(metadata: bytes, dtype: str) -> bytes:
+    """LMCache's RemoteMetadata (int32s: length, format, then dtype and a 4-d shape per
+    group) with its dtype replaced."""
+    import struct
+
+    import torch
+    from lmcache.v1.protocol import DTYPE_TO_INT
+
+    fields = list(struct.unpack(f"<{len(metadata) // 4}i", metadata))
+    assert fields[2] != DTYPE_TO_INT[getattr(torch, dtype)]
+    fields[2] = DTYPE_TO_INT[getattr(torch, dtype)]
+    return struct.pack(f"<{len(fields)}i", *fields)
+
+
+def run_serve(args: list[str], extra_env: dict[str, str], tmp_path: Path,
+              timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "sous.cli", "serve", *args, "--port",
+                           str(free_port())], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, **extra_env}, cwd=tmp_path)
+
+
+@pytest.mark.parametrize(("transfer", "extra_env", "expected"), [
+    ({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, {},
+     "unknown kv_connector 'NoSuchConnector'; known: LMCacheConnectorV1, MultiConnector, "
+     "RBLNLMCacheConnectorV1"),
+    ({"kv_connector": "LMCacheConnectorV1"}, {}, "kv_role must be one of"),
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, {},
+     "`--kv-transfer-config` is not supported yet"),
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "bogus": 1}, {},
+     "unknown field(s) ['bogus']"),
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+     {"LMCACHE_CHUNK_SIZE": "lots"}, "LMCACHE_CHUNK_SIZE='lots'"),
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+     {"LMCACHE_LOCAL_CPU": "maybe"}, "LMCACHE_LOCAL_CPU='maybe': not a boolean"),
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+     {"LMCACHE_STORAGE_PLUGINS": "X", "LMCACHE_EXTRA_CONFIG": json.dumps(
+         {"storage_plugin.X.module_path": "no_such_module.backend",
+          "storage_plugin.X.class_name": "B"})},
+     "storage plugin X: module 'no_such_module.backend' cannot be imported"),
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+     {"LMCACHE_MAX_LOCAL_CPU_SIZE": "0", "LMCACHE_LOCAL_DISK": "/tmp/x",
+      "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}, "LMCache stages local_disk reads and writes"),
+])
+def test_bad_input_stops_start_up(tmp_path: Path, transfer: dict, extra_env: dict,
+                                  expected: str) -> None:
+    out = run_serve([*SMALL, "--kv-transfer-config", json.dumps(transfer)], extra_env, tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert expected in out.stderr
+
+
+def test_offload_with_a_worker_process_stops_start_up(tmp_path: Path) -> None:
+    out = run_serve(["--distributed-executor-backend", "mp", "--kv-transfer-config", LMCACHE],
+                    {}, tmp_path)
+    assert out.returncode == 2
+    assert "the offload connector runs in the engine's process" in out.stderr
+
+
+def test_unreachable_redis_and_unwritable_disk_warn_and_serve(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    log = tmp_path / "serve.log"
+    with sous_serve([*SMALL, "--kv-transfer-config", LMCACHE], log,
+                    env=env(LMCACHE_MAX_LOCAL_CPU_SIZE=0.2,
+                            LMCACHE_LOCAL_DISK=str(blocker / "disk"),
+                            LMCACHE_MAX_LOCAL_DISK_SIZE=0.1,
+                            LMCACHE_REMOTE_URL=f"redis://127.0.0.1:{free_port()}")) as url:
+        assert_served_again(url, 12)  # the CPU tier still works
+    text = log.read_text()
+    assert "does not answer" in text and "serving without it" in text
+    assert "is not writable" in text
+
+
+def test_recipe_launch_runs_the_lmcache_rds_selection(capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    from sous.recipes.cli import main
+
+    code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-data-expert-parallel",
+                 "--target", "Throughput", "--set", "lmcache=rds", "--drop-unsupported",
+                 "--duration", "0.2", "--log-dir", str(tmp_path), "--ready-timeout", "240"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "chat reply: " in err
+    # Only the DP/EP flags of this strategy are dropped; the LMCache selection runs as written.
+    assert "DROPPED --kv-transfer-config" not in err
+    log = (tmp_path / "main.log").read_text()
+    assert "KV offload (LMCache RBLNLMCacheConnectorV1, chunks of 4096 tokens" in log
+    assert "plugin RDSBackend (sous.kv_transfer.offload.rds_backend)" in log
