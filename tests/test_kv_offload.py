@@ -264,3 +264,40 @@ def test_recipe_launch_runs_the_lmcache_rds_selection(capsys: pytest.CaptureFixt
     log = (tmp_path / "main.log").read_text()
     assert "KV offload (LMCache RBLNLMCacheConnectorV1, chunks of 4096 tokens" in log
     assert "plugin RDSBackend (sous.kv_transfer.offload.rds_backend)" in log
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_truncated_disk_chunk_is_a_miss_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                policy: str) -> None:
+    """LMCache's disk tier would serve a truncated chunk file as whatever its buffer held;
+    here it is a miss: the request recomputes from the last good chunk (identical output),
+    or with `kv_load_failure_policy: fail` it is aborted."""
+    from sous import LLM, SamplingParams
+
+    disk = tmp_path / "disk"
+    for name, value in env(LMCACHE_LOCAL_CPU="False", LMCACHE_MAX_LOCAL_CPU_SIZE=0.1,
+                           LMCACHE_LOCAL_DISK=str(disk), LMCACHE_MAX_LOCAL_DISK_SIZE=0.2).items():
+        monkeypatch.setenv(name, value)
+    llm = LLM(num_gpu_blocks_override=40, max_model_len=600,
+              kv_transfer_config={"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+                                  "kv_load_failure_policy": policy})
+    try:
+        greedy = SamplingParams(max_tokens=12, temperature=0)
+        first = llm.generate([prompt(13)], greedy)[0].outputs[0]
+        deadline = time.monotonic() + 30
+        while len(stored := list(disk.iterdir())) < HIT // CHUNK:  # written in LMCache's thread
+            assert time.monotonic() < deadline, stored
+            time.sleep(0.1)
+        for i in range(3):
+            llm.generate([prompt(13_000 + i)], greedy)
+        with stored[0].open("r+b") as f:  # one of the prompt's chunks
+            f.truncate(1000)
+        again = llm.generate([prompt(13)], greedy)[0]
+    finally:
+        llm.engine.shutdown()
+    if policy == "recompute":
+        assert again.outputs[0].text == first.text
+        # the chunks before the truncated one were loaded, the rest recomputed
+        assert again.num_cached_tokens % CHUNK == 0 and again.num_cached_tokens < HIT
+    else:
+        assert again.outputs[0].finish_reason == "abort"

@@ -44,6 +44,7 @@ from sous.kv_transfer.offload.lmcache_fixes import (
     RemoteWatch,
     check_hash_seed,
     destroy_engine,
+    patch_disk_reads,
     patch_job_executor,
     patch_redis_close,
     quiet_lmcache_logs,
@@ -183,6 +184,7 @@ class LMCacheOffloadConnector(KVConnectorBase):
         config = load_lmcache_config()
         patch_redis_close()
         patch_job_executor()
+        patch_disk_reads()
         check_hash_seed(config)
         if self.context.enable_kv_events:
             config.enable_kv_events = True

@@ -13,6 +13,11 @@
   cancelled future, and after four such failures every Redis call (lookups included) waits
   forever, the engine with it. `patch_job_executor` hands workers futures that ignore a
   result arriving after cancellation.
+- `LocalDiskBackend.read_file` ignores how many bytes `readinto` read and returns quietly
+  when the file is gone: a truncated or deleted chunk file is served as whatever the buffer
+  held (wrong output, counted as cached). `patch_disk_reads` makes a file shorter than the
+  chunk (or missing) an error, which LMCache's read path turns into a miss, and drops the
+  entry from the index.
 - `destroy_engine` bounds the engine's teardown so a stuck tier cannot hang a shutdown.
 """
 
@@ -45,6 +50,29 @@ def patch_redis_close() -> None:
 
     close._sous_patched = True  # type: ignore[attr-defined]
     cls.close = close  # type: ignore[method-assign]
+
+
+def patch_disk_reads() -> None:
+    from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+    original = LocalDiskBackend.read_file
+    if getattr(original, "_sous_patched", False):
+        return
+
+    def read_file(self: Any, key: Any, buffer: Any, path: str) -> None:
+        want = memoryview(buffer).nbytes
+        try:
+            have = os.path.getsize(path)
+        except OSError:
+            have = -1
+        if have < want:
+            with self.disk_lock:
+                self.dict.pop(key, None)
+            raise OSError(f"{path}: {max(have, 0)} of {want} bytes on disk")
+        original(self, key, buffer, path)
+
+    read_file._sous_patched = True  # type: ignore[attr-defined]
+    LocalDiskBackend.read_file = read_file  # type: ignore[method-assign]
 
 
 class _TolerantFuture(asyncio.Future):  # type: ignore[type-arg]
