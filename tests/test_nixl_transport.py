@@ -1,0 +1,83 @@
+"""KV blocks read between two processes over NIXL (UCX, host memory): bit-exact, only the
+named blocks touched, the owner notified; a layout mismatch is refused by name."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sous.kv_transfer.pd.nixl_transport import KVLayout, NixlTransport
+
+LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 12, 16, 2, 8
+
+
+def caches(seed: int | None) -> list[torch.Tensor]:
+    """bf16 caches `[2, BLOCKS, BLOCK, HEADS, DIM]` per layer: seeded noise, or zeros."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (2, BLOCKS, BLOCK, HEADS, DIM)
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) if gen else
+            torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+
+
+def owner(conn) -> None:  # the prefill side, in its own process
+    kv = caches(seed=7)
+    transport = NixlTransport("prefill-engine", kv, BLOCK)
+    conn.send((transport.metadata(), transport.layout))
+    deadline = time.monotonic() + 60
+    notifs: list[bytes] = []
+    while not notifs and time.monotonic() < deadline:
+        notifs = transport.take_notifs()
+        time.sleep(0.01)
+    conn.send(notifs)
+    conn.recv()  # keep the memory registered until the reader is done
+    transport.close()
+
+
+def test_read_blocks_from_another_process() -> None:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=owner, args=(there,), daemon=True)
+    proc.start()
+    try:
+        assert here.poll(120), "the owner process did not start"
+        metadata, layout = here.recv()
+        kv = caches(seed=None)
+        reader = NixlTransport("decode-engine", kv, BLOCK)
+        reader.add_remote(metadata, layout)
+        handle = reader.start_read("prefill-engine", [2, 5, 11], [0, 1, 3], notif=b"req-1")
+        deadline = time.monotonic() + 60
+        while not reader.done(handle):
+            assert time.monotonic() < deadline, "the read did not finish"
+            time.sleep(0.001)
+        assert here.poll(60) and here.recv() == [b"req-1"]
+        expected = caches(seed=7)
+        for got, want in zip(kv, expected, strict=True):
+            assert torch.equal(got[:, [0, 1, 3]], want[:, [2, 5, 11]])
+            untouched = [b for b in range(BLOCKS) if b not in (0, 1, 3)]
+            assert not got[:, untouched].any()
+        with pytest.raises(ValueError, match="block_size 32 there, 16 here"):
+            reader.add_remote(metadata, replace(layout, engine_id="other", block_size=32))
+        with pytest.raises(ValueError, match="dtype 'float32' there, 'bfloat16' here"):
+            reader.add_remote(metadata, replace(layout, engine_id="other", dtype="float32"))
+        reader.close()
+        here.send("done")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_layout_descriptors_address_each_block_of_each_plane() -> None:
+    kv = caches(seed=None)
+    layout = KVLayout.of("e", kv, BLOCK)
+    assert layout.block_bytes == BLOCK * HEADS * DIM * 2
+    rows = layout.descriptors()
+    assert rows.shape == (LAYERS * 2 * BLOCKS, 3)
+    # layer 1, V plane, block 4
+    row = rows[(1 * 2 + 1) * BLOCKS + 4]
+    assert row[0] == kv[1][1, 4].data_ptr() and row[1] == layout.block_bytes
+    assert list(layout.indices([4])) == [(i * BLOCKS) + 4 for i in range(LAYERS * 2)]
