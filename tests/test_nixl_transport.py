@@ -1,5 +1,6 @@
-"""KV blocks read between two processes over NIXL (UCX, host memory): bit-exact, only the
-named blocks touched, the owner notified; a layout mismatch is refused by name."""
+"""KV blocks read between two processes over NIXL (UCX, host memory), after a handshake over
+the ZMQ side channel as vLLM's NixlConnector does it: bit-exact, only the named blocks
+touched, the owner notified; a layout or model mismatch is refused by name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from serve_process import free_port
 from sous.kv_transfer.pd.nixl_transport import KVLayout, NixlTransport
+from sous.kv_transfer.pd.side_channel import (
+    SideChannelServer,
+    fetch_metadata,
+    side_channel_address,
+)
+
+MODEL = "tiny"
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 12, 16, 2, 8
 
@@ -23,10 +32,11 @@ def caches(seed: int | None) -> list[torch.Tensor]:
             torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
 
 
-def owner(conn) -> None:  # the prefill side, in its own process
+def owner(conn, port: int) -> None:  # the prefill side, in its own process
     kv = caches(seed=7)
     transport = NixlTransport("prefill-engine", kv, BLOCK)
-    conn.send((transport.metadata(), transport.layout))
+    server = SideChannelServer("127.0.0.1", port, MODEL, transport.layout, transport.metadata())
+    conn.send("ready")
     deadline = time.monotonic() + 60
     notifs: list[bytes] = []
     while not notifs and time.monotonic() < deadline:
@@ -34,19 +44,24 @@ def owner(conn) -> None:  # the prefill side, in its own process
         time.sleep(0.01)
     conn.send(notifs)
     conn.recv()  # keep the memory registered until the reader is done
+    server.close()
     transport.close()
 
 
 def test_read_blocks_from_another_process() -> None:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=owner, args=(there,), daemon=True)
+    port = free_port()
+    proc = ctx.Process(target=owner, args=(there, port), daemon=True)
     proc.start()
     try:
-        assert here.poll(120), "the owner process did not start"
-        metadata, layout = here.recv()
+        assert here.poll(120) and here.recv() == "ready", "the owner process did not start"
         kv = caches(seed=None)
         reader = NixlTransport("decode-engine", kv, BLOCK)
+        with pytest.raises(ValueError, match="serves another model"):
+            fetch_metadata("127.0.0.1", port, "other-model", reader.layout)
+        layout, metadata = fetch_metadata("127.0.0.1", port, MODEL, reader.layout)
+        assert layout.engine_id == "prefill-engine" and layout.num_blocks == BLOCKS
         reader.add_remote(metadata, layout)
         handle = reader.start_read("prefill-engine", [2, 5, 11], [0, 1, 3], notif=b"req-1")
         deadline = time.monotonic() + 60
@@ -81,3 +96,14 @@ def test_layout_descriptors_address_each_block_of_each_plane() -> None:
     row = rows[(1 * 2 + 1) * BLOCKS + 4]
     assert row[0] == kv[1][1, 4].data_ptr() and row[1] == layout.block_bytes
     assert list(layout.indices([4])) == [(i * BLOCKS) + 4 for i in range(LAYERS * 2)]
+
+
+def test_side_channel_address_and_an_unanswered_handshake() -> None:
+    assert side_channel_address(0, {}) == ("localhost", 5600)
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.7", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5700"}
+    assert side_channel_address(3, env) == ("10.0.0.7", 5703)
+    with pytest.raises(ValueError, match="VLLM_NIXL_SIDE_CHANNEL_PORT='x'"):
+        side_channel_address(0, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "x"})
+    layout = KVLayout.of("e", caches(seed=None), BLOCK)
+    with pytest.raises(TimeoutError, match=r"did not answer in 0.3 s"):
+        fetch_metadata("127.0.0.1", free_port(), MODEL, layout, timeout_s=0.3)
