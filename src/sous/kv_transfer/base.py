@@ -35,6 +35,15 @@ if TYPE_CHECKING:
     from sous.kv_transfer.config import KVTransferConfig
 
 
+def cache_planes(cache: torch.Tensor) -> tuple[int, int]:
+    """(planes, slots) of one layer's paged cache: `[2, num_blocks, block_size, heads,
+    head_size]` has 2 planes (K, V), MLA's `[num_blocks, block_size, entry]` one; slots are
+    num_blocks * block_size."""
+    if cache.dim() == 5:
+        return 2, cache.shape[1] * cache.shape[2]
+    return 1, cache.shape[0] * cache.shape[1]
+
+
 class KVConnectorRole(enum.Enum):
     SCHEDULER = "scheduler"
     WORKER = "worker"

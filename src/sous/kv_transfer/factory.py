@@ -27,16 +27,21 @@ PLANNED = ("NixlConnector", "RblnNixlConnector")
 """P/D transfer connectors: known names, refused as not supported yet."""
 
 
-def planned_connectors(value: dict[str, Any] | None) -> list[str]:
-    """The not-yet-supported connectors `--kv-transfer-config` names (MultiConnector
-    children included)."""
+def connector_names(value: dict[str, Any] | None) -> list[str]:
+    """Every connector name a raw `--kv-transfer-config` holds (MultiConnector children
+    included), before it is parsed."""
     if not isinstance(value, dict):
         return []
     names = [value.get("kv_connector")]
     extra = value.get("kv_connector_extra_config")
     if isinstance(extra, dict) and isinstance(extra.get("connectors"), list):
         names += [c.get("kv_connector") for c in extra["connectors"] if isinstance(c, dict)]
-    return [n for n in names if n in PLANNED]
+    return [n for n in names if isinstance(n, str)]
+
+
+def planned_connectors(value: dict[str, Any] | None) -> list[str]:
+    """The not-yet-supported connectors `--kv-transfer-config` names."""
+    return [n for n in connector_names(value) if n in PLANNED]
 
 
 def known_connectors() -> list[str]:
@@ -96,11 +101,7 @@ def check_placement(config: EngineConfig) -> None:
     transfer = config.kv_transfer_config
     if transfer is None or config.parallel.distributed_executor_backend != "mp":
         return
-    names = [transfer.get("kv_connector")] + [
-        c.get("kv_connector") for c in
-        (transfer.get("kv_connector_extra_config") or {}).get("connectors", [])
-        if isinstance(c, dict)]
-    offload = [n for n in names if REGISTRY.get(n) == _OFFLOAD]
+    offload = [n for n in connector_names(transfer) if REGISTRY.get(n) == _OFFLOAD]
     if offload:
         raise ConfigError(f"--kv-transfer-config {offload[0]}: the offload connector runs in the "
                           "engine's process; drop --distributed-executor-backend mp")

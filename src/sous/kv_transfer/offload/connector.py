@@ -32,6 +32,7 @@ from sous.kv_transfer.base import (
     KVConnectorContext,
     KVConnectorMetadata,
     KVConnectorRole,
+    cache_planes,
 )
 from sous.kv_transfer.config import KVTransferConfig
 from sous.kv_transfer.offload.lmcache_config import (
@@ -189,8 +190,8 @@ class LMCacheOffloadConnector(KVConnectorBase):
         if self.context.enable_kv_events:
             config.enable_kv_events = True
         ctx = self.context
-        kv_size = 2 if kv_caches[0].dim() == 5 else 1
-        hidden = kv_caches[0].numel() // (kv_size * _num_slots(kv_caches[0], kv_size))
+        kv_size, num_slots = cache_planes(kv_caches[0])
+        hidden = kv_caches[0].numel() // (kv_size * num_slots)
         metadata = LMCacheMetadata(
             model_name=ctx.model_name, world_size=ctx.world_size,
             local_world_size=ctx.world_size, worker_id=ctx.rank, local_worker_id=ctx.rank,
@@ -268,11 +269,6 @@ class LMCacheOffloadConnector(KVConnectorBase):
         if self.role is KVConnectorRole.WORKER and self.engine is not None:
             destroy_engine(self.instance_id)
             self.engine = None
-
-
-def _num_slots(cache: torch.Tensor, kv_size: int) -> int:
-    """Slots (num_blocks * block_size) of one layer's cache tensor."""
-    return cache.shape[1] * cache.shape[2] if kv_size == 2 else cache.shape[0] * cache.shape[1]
 
 
 def _leading_true(mask: torch.Tensor) -> int:

@@ -91,8 +91,7 @@ def _check_ranges(config: Any, source: str | None) -> None:
         value = getattr(config, key)
         if not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"{where(key)}: {key} must be a number of GB >= 0, got {value!r}")
-    staged = [name for name, on in (("local_disk", config.local_disk and
-                                     config.max_local_disk_size > 0),
+    staged = [name for name, on in (("local_disk", _disk_tier(config)),
                                     ("remote_url", config.remote_url)) if on]
     if staged and config.max_local_cpu_size <= 0:
         raise ConfigError(f"{where('max_local_cpu_size')}: LMCache stages {staged[0]} reads and "
@@ -125,7 +124,7 @@ def _resolve_plugins(config: Any) -> None:
 
 
 def _check_disk(config: Any) -> None:
-    if not config.local_disk or not config.max_local_disk_size:
+    if not _disk_tier(config):
         return
     for directory in str(config.local_disk).split(","):
         try:
@@ -157,12 +156,21 @@ def _check_remote(config: Any) -> None:
         config.remote_url = None
 
 
+def _cpu_tier(config: Any) -> bool:
+    """A CPU tier that keeps chunks (with `local_cpu` false the buffer only stages)."""
+    return bool(config.local_cpu and config.max_local_cpu_size > 0)
+
+
+def _disk_tier(config: Any) -> bool:
+    return bool(config.local_disk and config.max_local_disk_size > 0)
+
+
 def tier_media(config: Any) -> list[str]:
     """The KV-event `medium` of each tier a stored chunk is written to (all of them)."""
     media = []
-    if config.local_cpu and config.max_local_cpu_size > 0:
+    if _cpu_tier(config):
         media.append("CPU")
-    if (config.local_disk and config.max_local_disk_size > 0) or config.storage_plugins:
+    if _disk_tier(config) or config.storage_plugins:
         media.append("DISK")
     if config.remote_url:
         media.append("REMOTE")
@@ -175,9 +183,9 @@ def describe_tiers(config: Any, chunk_bytes: int) -> list[str]:
         return f"{gb:g} GB, {int(gb * 1e9 // max(chunk_bytes, 1))} chunks"
 
     tiers = []
-    if config.local_cpu and config.max_local_cpu_size > 0:
+    if _cpu_tier(config):
         tiers.append(f"CPU ({chunks(config.max_local_cpu_size)})")
-    if config.local_disk and config.max_local_disk_size > 0:
+    if _disk_tier(config):
         tiers.append(f"disk {config.local_disk} ({chunks(config.max_local_disk_size)})")
     if config.remote_url:
         tiers.append(f"remote {config.remote_url} (serde {config.remote_serde})")

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sous.kv_transfer.base import cache_planes
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -42,8 +44,8 @@ class KVLayout:
     @classmethod
     def of(cls, engine_id: str, kv_caches: list[torch.Tensor], block_size: int) -> KVLayout:
         first = kv_caches[0]
-        kv_size = 2 if first.dim() == 5 else 1
-        num_blocks = first.shape[1] if kv_size == 2 else first.shape[0]
+        kv_size, num_slots = cache_planes(first)
+        num_blocks = num_slots // block_size
         for cache in kv_caches:
             if not cache.is_contiguous() or cache.shape != first.shape:
                 raise ValueError("KV cache tensors must be contiguous and of one shape")
