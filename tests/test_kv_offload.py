@@ -201,10 +201,8 @@ def run_serve(args: list[str], extra_env: dict[str, str], tmp_path: Path,
 @pytest.mark.parametrize(("transfer", "extra_env", "expected"), [
     ({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, {},
      "unknown kv_connector 'NoSuchConnector'; known: LMCacheConnectorV1, MultiConnector, "
-     "RBLNLMCacheConnectorV1"),
+     "NixlConnector, RBLNLMCacheConnectorV1, RblnNixlConnector"),
     ({"kv_connector": "LMCacheConnectorV1"}, {}, "kv_role must be one of"),
-    ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, {},
-     "`--kv-transfer-config` is not supported yet"),
     ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "bogus": 1}, {},
      "unknown field(s) ['bogus']"),
     ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},

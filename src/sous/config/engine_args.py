@@ -139,12 +139,6 @@ def _kv_events_problem(value: dict[str, Any] | None) -> str | None:
     return None
 
 
-def _planned_connectors(value: Any) -> list[str]:
-    from sous.kv_transfer.factory import planned_connectors
-
-    return planned_connectors(value)
-
-
 def _kv_transfer_problem(value: dict[str, Any] | None) -> str | None:
     from sous.kv_transfer.config import KVTransferConfig
     from sous.kv_transfer.factory import check_connector_name
@@ -201,9 +195,6 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("distributed_executor_backend", lambda v: v in ("ray", "external_launcher"),
            "--distributed-executor-backend", "sous runs workers in processes (`mp`) or in the "
            "engine's process (`uni`)", "ray|external_launcher"),
-    NotYet("kv_transfer_config", lambda v: bool(_planned_connectors(v)), "--kv-transfer-config",
-           "P/D KV transfer (NixlConnector, RblnNixlConnector) is planned; the offload "
-           "connectors (LMCacheConnectorV1, RBLNLMCacheConnectorV1) run", "NixlConnector"),
     NotYet("speculative_config", lambda v: v is not None, "--speculative-config",
            "speculative decoding is planned"),
 )

@@ -33,6 +33,9 @@ from sous.engine.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
+KV_TRANSFER_POLL_S = 0.002
+"""Engine loop period while it only waits on KV transfers (P/D reads, kept blocks)."""
+
 EngineStats = SchedulerStats
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStats", "merge_delta"]
 
@@ -294,19 +297,21 @@ class AsyncLLM:
         self._loop_running.set()
         reason = "The server is shutting down."
         try:
+            idle = False
             while not self._stopped:
-                block = not self.core.has_unfinished_requests()
+                timeout = self._wait_timeout(idle)
                 try:
                     while True:
-                        kind, payload = self._inbox.get(block=block)
-                        block = False
+                        kind, payload = self._inbox.get(block=timeout != 0, timeout=timeout)
+                        timeout = 0
                         if kind == "stop":
                             return
                         self._handle(kind, payload)
                 except queue.Empty:
                     pass
-                if self.core.has_unfinished_requests():
-                    self.core.step()
+                idle = False
+                if self.core.has_unfinished_requests() or self.core.has_pending_kv_transfers():
+                    idle = self.core.step() == 0
                 self._outbox.flush()
                 self._stats = self.core.stats()
         except KeyboardInterrupt:
@@ -319,6 +324,14 @@ class AsyncLLM:
         finally:
             self._loop_running.clear()
             self._end(reason)
+
+    def _wait_timeout(self, idle: bool) -> float | None:
+        """How long the loop waits for new work: forever with nothing to do, not at all
+        while requests run, `KV_TRANSFER_POLL_S` while only KV transfers are pending (the
+        last step ran nothing)."""
+        if not self.core.has_unfinished_requests() and not self.core.has_pending_kv_transfers():
+            return None
+        return KV_TRANSFER_POLL_S if idle else 0
 
     def _end(self, reason: str) -> None:
         """Accept nothing more; fail what is queued and what is running."""

@@ -33,7 +33,7 @@ from sous.engine.request import Request, RequestStatus
 from sous.engine.runner import ModelRunner
 from sous.engine.sampling_params import SamplingParams
 from sous.engine.scheduler import Scheduler, SchedulerStats
-from sous.engine.scheduler_output import SchedulerOutput
+from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sous.engine.structured_output.manager import StructuredOutputManager
 from sous.engine.validation import (
     INT64_MAX,
@@ -217,8 +217,10 @@ class EngineCore:
                 seed = None if params.seed is None else _wrap_int64(params.seed + i)
                 child_params = params.clone(n=1, seed=seed)
                 child_id = f"{i}_{request_id}"
+            kv_params = (params.extra_args or {}).get("kv_transfer_params")
             children.append(Request(child_id, list(prompt_token_ids), child_params,
-                                    self.eos_token_ids, max_tokens))
+                                    self.eos_token_ids, max_tokens,
+                                    kv_transfer_params=dict(kv_params) if kv_params else None))
         self.output_processor.add_request(request_id, prompt, children, sink)
         for child in children:
             self.structured_output_manager.init_request(child)
@@ -253,14 +255,15 @@ class EngineCore:
         so = self.structured_output_manager
         self._fail(so.take_failed())
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out.is_empty and not self.scheduler.has_pending_kv_transfers():
             if so.has_pending():
                 so.wait_pending(timeout=0.05)
             return 0
         scheduled = self.scheduler.scheduled_requests(out)
         out.grammar = so.grammar_output(scheduled)
         runner_out = self.executor.execute_model(out)
-        failed = self._rewind_failed_loads(out, runner_out.kv_load_errors)
+        failed = self._finish_transfers(out, runner_out)
+        failed += self._rewind_failed_loads(out, runner_out.kv_load_errors)
         for request in scheduled:
             error = runner_out.failed.get(request.request_id)
             if error is not None:  # nothing of theirs is kept
@@ -279,6 +282,33 @@ class EngineCore:
         self._fail(failed)
         self._publish_events()
         return out.total_num_scheduled_tokens
+
+    def has_pending_kv_transfers(self) -> bool:
+        """KV moves in flight with no request to run (e.g. blocks kept for a P/D reader):
+        the caller keeps stepping, at a polling pace, until they are over."""
+        return self.scheduler.has_pending_kv_transfers()
+
+    def _finish_transfers(self, out: SchedulerOutput, runner_out: ModelRunnerOutput
+                          ) -> list[tuple[Request, str]]:
+        """Apply what the connector's worker side finished: kept blocks released, async
+        loads landed (or fell short: recompute, or fail by `kv_load_failure_policy`)."""
+        sched = self.scheduler
+        connector = sched.connector
+        if connector is None:
+            return []
+        connector.update_connector_output(runner_out.finished_sending,
+                                          runner_out.finished_recving)
+        for rid in runner_out.finished_sending:
+            sched.free_delayed(rid)
+        errors = {rid: n for rid, n in runner_out.kv_load_errors.items()
+                  if rid not in out.num_scheduled_tokens}
+        for rid in errors:
+            del runner_out.kv_load_errors[rid]
+        fail = connector.config.kv_load_failure_policy == "fail"
+        failed = [(entry[0], "its KV cache load failed (kv_load_failure_policy: fail)")
+                  for rid in errors if fail and (entry := sched.recving.get(rid)) is not None]
+        sched.finish_recving(runner_out.finished_recving, errors)
+        return failed
 
     def _rewind_failed_loads(self, out: SchedulerOutput, errors: dict[str, int]
                              ) -> list[tuple[Request, str]]:

@@ -167,6 +167,8 @@ class OutputProcessor:
         parent.sink(RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=outputs, finished=finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics))
+            num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics,
+            num_external_computed_tokens=first.num_external_computed_tokens,
+            kv_transfer_params=first.kv_transfer_params_out if finished else None))
         if finished:
             self.remove(parent.request_id)

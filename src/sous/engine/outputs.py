@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # One entry per generated token: {token_id: Logprob}; the sampled token is always present.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -41,4 +42,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    num_external_computed_tokens: int = 0
+    """Of those, tokens a KV connector loaded (offload tier, P/D transfer)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """On the final output: the KV connector's parameters for the next leg (P/D)."""
     metrics: dict[str, float] = field(default_factory=dict)

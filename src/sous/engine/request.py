@@ -65,6 +65,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first scheduling (-1: not yet scheduled)."""
+    num_external_computed_tokens: int = 0
+    """Prompt tokens whose KV a KV connector loaded (offload tier, P/D transfer)."""
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
@@ -73,6 +75,9 @@ class Request:
     """Grammar state when `sampling_params.structured_outputs` is set (owned by the
     StructuredOutputManager)."""
     kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params_out: dict[str, Any] | None = None
+    """What the KV connector's `request_finished` returned: the answer's
+    `kv_transfer_params` (P/D: where the decode leg reads this prefill's KV)."""
     """What the KV connector returned when the request finished (P/D: the remote blocks)."""
     sub_block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the sub-blocks of `all_token_ids` (sub-block prefix caching only)."""

@@ -165,6 +165,9 @@ class ModelRunner:
             req_ids = [r for r in req_ids if r not in result.kv_load_errors]
             self._run(req_ids, so, result)
             connector.wait_for_save(set(result.failed) | set(result.kv_load_errors))
+            result.finished_sending, result.finished_recving = connector.get_finished(
+                set(so.finished_req_ids))
+            result.kv_load_errors.update(connector.get_load_errors())
             return result
         finally:
             connector.clear_connector_metadata()

@@ -52,6 +52,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output (JSON schema, regex, choice, grammar); a dict of
     StructuredOutputsParams fields is accepted too."""
+    extra_args: dict[str, Any] | None = None
+    """Arguments for engine plug-ins, as vLLM's: `kv_transfer_params` (a KV connector's
+    per-request parameters, P/D disaggregation)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):

@@ -8,7 +8,11 @@ Waiting requests are admitted only in steps without preemption.
 
 A KV connector (`connector`, `sous.kv_transfer.base`) adds external hits: on admission the
 tokens it can load beyond the local prefix cache count as computed, and it plans their load
-(and its saves) in `SchedulerOutput.kv_connector_metadata`.
+(and its saves) in `SchedulerOutput.kv_connector_metadata`. An asynchronous load (P/D: KV
+read from the prefill server) parks the admitted request in WAITING_FOR_REMOTE_KVS with its
+blocks allocated (not yet indexed) until the worker reports it received (`finish_recving`);
+then it re-enters the waiting queue with those tokens computed, less the last prompt token,
+which is recomputed for its logits.
 
 The scheduler owns the Request objects; what it hands the worker is a `SchedulerOutput` of
 plain data: a request in full the first time it is scheduled, then per-step diffs (new
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sous.config.scheduler import SchedulerConfig
-from sous.engine.kv_cache.manager import KVCacheManager
+from sous.engine.kv_cache.manager import ComputedBlocks, KVCacheManager
 from sous.engine.request import Request, RequestStatus
 from sous.engine.scheduler_output import NewRequestData, SchedulerOutput
 from sous.kv_transfer.base import KVConnectorBase
@@ -37,6 +41,7 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_kv_load_failures: int = 0
 
 
 class WaitGate(Protocol):
@@ -64,6 +69,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_kv_load_failures = 0
+        """KV connector loads that fell short (their requests recomputed or failed)."""
         self.gates: list[WaitGate] = []
         self._num_sent_blocks: dict[str, int] = {}
         """Per request the worker holds: how many of its block ids it has been sent."""
@@ -76,6 +83,11 @@ class Scheduler:
         """Finished requests whose blocks a FinishHook keeps (see `free_delayed`)."""
         self.connector: KVConnectorBase | None = None
         """A KV connector's scheduler side (set by the engine when one is configured)."""
+        self.recving: dict[str, tuple[Request, int, int]] = {}
+        """WAITING_FOR_REMOTE_KVS requests -> (request, local hit tokens, tokens computed once
+        their load is done)."""
+        self._loaded: set[str] = set()
+        """Waiting requests whose KV an asynchronous load put in their blocks."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -84,7 +96,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.recving)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """A connector is moving KV for requests here (loads in flight, finished requests'
+        blocks kept for a reader): the worker must be polled even with nothing to run."""
+        return bool(self.recving or self.delayed)
 
     def schedule(self) -> SchedulerOutput:
         """Hand out this step's token budget; advances each scheduled request's
@@ -165,35 +182,92 @@ class Scheduler:
             if not all(gate.ready(request) for gate in self.gates):
                 skipped.append(self.waiting.popleft())
                 continue
-            computed, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_external = 0
-            if self.connector is not None:
-                ext, _ = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
-                if ext is None:  # the connector cannot tell yet: ask again next step
-                    skipped.append(self.waiting.popleft())
-                    continue
-                num_external = ext
+            computed, num_hit_tokens, ext, load_async = self._lookup(request)
+            if ext is None:  # the connector cannot tell yet: ask again next step
+                skipped.append(self.waiting.popleft())
+                continue
+            num_external = ext
+            if load_async and num_external > 0:
+                if not self._admit_recving(request, computed, num_hit_tokens, num_external):
+                    break
+                continue
             n = self._num_new_tokens(request, num_hit_tokens + num_external, budget)
             if self.kv.allocate_slots(request, n, computed, num_external) is None:
                 break
-            self.kv.record_prefix_cache_stats(request, num_hit_tokens)
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    request, self.kv.get_block_ids(request.request_id), num_external)
+            if request.request_id in self._loaded:
+                self._loaded.discard(request.request_id)
+            else:
+                self.kv.record_prefix_cache_stats(request, num_hit_tokens)
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request, self.kv.get_block_ids(request.request_id), num_external)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens + num_external
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
+                request.num_external_computed_tokens += num_external
             self.running.append(request)
             scheduled.append((request, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
+    def _lookup(self, request: Request) -> tuple[ComputedBlocks | None, int, int | None, bool]:
+        """(local prefix-cache hit blocks, their tokens, tokens a connector can load beyond
+        them (None: ask again next step), whether that load is asynchronous)."""
+        if request.request_id in self._loaded:  # its blocks already hold the loaded KV
+            return None, request.num_computed_tokens, 0, False
+        computed, num_hit_tokens = self.kv.get_computed_blocks(request)
+        if self.connector is None:
+            return computed, num_hit_tokens, 0, False
+        ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        return computed, num_hit_tokens, ext, load_async
+
+    def _admit_recving(self, request: Request, computed: ComputedBlocks | None,
+                       num_hit_tokens: int, num_external: int) -> bool:
+        """Allocate blocks for a request whose external tokens load asynchronously and park
+        it in WAITING_FOR_REMOTE_KVS; False if the pool is too small."""
+        if self.kv.allocate_slots(request, 0, computed, num_external,
+                                  delay_cache_blocks=True) is None:
+            return False
+        self.kv.record_prefix_cache_stats(request, num_hit_tokens)
+        assert self.connector is not None
+        self.connector.update_state_after_alloc(
+            request, self.kv.get_block_ids(request.request_id), num_external)
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit_tokens
+        self.recving[request.request_id] = (request, num_hit_tokens,
+                                            num_hit_tokens + num_external)
+        return True
+
+    def finish_recving(self, req_ids: Iterable[str], num_valid: dict[str, int]) -> None:
+        """The worker finished loading these requests' KV (`num_valid`: those whose load
+        came up short -> leading tokens that are valid; they recompute the rest). Requests
+        finished meanwhile had their blocks kept for the load: they are freed now."""
+        for rid in req_ids:
+            if rid in self.delayed:
+                self.free_delayed(rid)
+                continue
+            entry = self.recving.pop(rid, None)
+            if entry is None:
+                continue
+            request, num_hit, num_loaded = entry
+            if rid in num_valid:
+                self.num_kv_load_failures += 1
+            valid = min(num_valid.get(rid, num_loaded), num_loaded)
+            self.kv.cache_blocks(request, valid)
+            request.num_computed_tokens = min(valid, request.num_tokens - 1)
+            request.num_external_computed_tokens = max(valid - num_hit, 0)
+            request.status = RequestStatus.WAITING
+            self._loaded.add(rid)
+            self.waiting.appendleft(request)
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         if request.request_id in self._num_sent_blocks:
             self._resumed.add(request.request_id)
+        self._loaded.discard(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -245,10 +319,12 @@ class Scheduler:
         if any(r.request_id in gone for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
         for request in finished:
+            self.recving.pop(request.request_id, None)
+            self._loaded.discard(request.request_id)
             block_ids = self.kv.get_block_ids(request.request_id)
             delay = any([h.request_finished(request, block_ids) for h in self.finish_hooks])
             if self.connector is not None:
-                keep, request.kv_transfer_params = self.connector.request_finished(
+                keep, request.kv_transfer_params_out = self.connector.request_finished(
                     request, block_ids)
                 delay = delay or keep
             if delay:
@@ -270,15 +346,17 @@ class Scheduler:
         """A request's KV load came up short: only its first `num_valid_tokens` tokens are in
         its blocks. It recomputes the rest (its blocks past them are un-indexed)."""
         self.kv.discard_unwritten(request, num_valid_tokens)
+        self.num_kv_load_failures += 1
         request.num_computed_tokens = num_valid_tokens
         request.num_cached_tokens = min(request.num_cached_tokens, num_valid_tokens)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.recving),
             kv_cache_usage=self.kv.usage(),
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
+            num_kv_load_failures=self.num_kv_load_failures,
         )

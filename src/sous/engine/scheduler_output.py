@@ -105,10 +105,18 @@ class ModelRunnerOutput:
     new KV slots are not valid, and the engine must finish them (aborted)."""
     kv_load_errors: dict[str, int] = field(default_factory=dict)
     """Requests whose KV connector load came up short (id -> leading tokens whose KV is
-    valid): they sat out the step; the engine rewinds them to recompute the rest."""
+    valid): they sat out the step; the engine rewinds them to recompute the rest. For a
+    request not in the step, its asynchronous load (reported in `finished_recving`) ended
+    short."""
+    finished_sending: set[str] = field(default_factory=set)
+    """Finished requests whose blocks a connector kept for a reader and now releases."""
+    finished_recving: set[str] = field(default_factory=set)
+    """Requests whose asynchronous KV load is over (WAITING_FOR_REMOTE_KVS ends)."""
 
     def merge(self, other: ModelRunnerOutput) -> None:
         self.sampled_token_ids.update(other.sampled_token_ids)
         self.logprobs.update(other.logprobs)
         self.failed.update(other.failed)
         self.kv_load_errors.update(other.kv_load_errors)
+        self.finished_sending |= other.finished_sending
+        self.finished_recving |= other.finished_recving

@@ -9,7 +9,8 @@ Scheduler side, called by the `Scheduler` on the engine thread:
 - `build_connector_meta(scheduler_output, requests)`: the step's plan (loads, saves) for the
   worker, as plain picklable data; resets the step state;
 - `request_finished(request, block_ids) -> (delay_free, kv_transfer_params)`: True keeps the
-  blocks until the worker reports the request in `get_finished`.
+  blocks until the worker reports the request in `get_finished`;
+- `update_connector_output(finished_sending, finished_recving)`: what the worker reported.
 
 Worker side, called by the `ModelRunner` around each forward pass:
 - `register_kv_caches(kv_caches, block_size)` once;
@@ -17,7 +18,9 @@ Worker side, called by the `ModelRunner` around each forward pass:
   allocated), `wait_for_layer_load(kv_cache)` / `save_kv_layer(kv_cache)` from attention,
   `wait_for_save(skip_req_ids)` after the forward, `clear_connector_metadata()`;
 - `get_load_errors()`: per request whose load fell short, how many leading tokens are valid;
-- `get_finished(finished_req_ids) -> (done_sending, done_recving)`.
+- `get_finished(finished_req_ids) -> (done_sending, done_recving)`, called every step (also
+  steps that run nothing while transfers are pending); a request whose asynchronous load
+  failed is done receiving and is in the next `get_load_errors()`.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class KVConnectorContext:
     block_size: int
     world_size: int = 1
     rank: int = 0
+    dp_rank: int = 0
+    """Data-parallel rank (offsets the P/D side channel port, as vLLM)."""
     enable_kv_events: bool = False
     """`--kv-events-config` publishes: connectors report what they store as KV events."""
 
@@ -101,6 +106,11 @@ class KVConnectorBase:
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
+
+    def update_connector_output(self, finished_sending: set[str],
+                                finished_recving: set[str]) -> None:
+        """The worker side's `get_finished` of the last step."""
+        return None
 
     def take_events(self) -> list[list[Any]]:
         """KV events (`sous.kv_transfer.events` wire form) since the last call."""

@@ -15,16 +15,17 @@ if TYPE_CHECKING:
     from sous.config.engine import EngineConfig
 
 _OFFLOAD = "sous.kv_transfer.offload.connector:LMCacheOffloadConnector"
+_NIXL = "sous.kv_transfer.pd.connector:NixlConnector"
 REGISTRY: dict[str, str] = {
     "LMCacheConnectorV1": _OFFLOAD,
     "RBLNLMCacheConnectorV1": _OFFLOAD,
+    "NixlConnector": _NIXL,
+    "RblnNixlConnector": _NIXL,
     "MultiConnector": "sous.kv_transfer.multi:MultiConnector",
 }
 """Connector name -> `module:Class` (imported on first use). A registered name whose
 `kv_connector_module_path` is not installed (the recipes name vllm-rbln's
 `lmcache_rbln.integration.vllm.connector`) resolves here too."""
-PLANNED = ("NixlConnector", "RblnNixlConnector")
-"""P/D transfer connectors: known names, refused as not supported yet."""
 
 
 def connector_names(value: dict[str, Any] | None) -> list[str]:
@@ -39,11 +40,6 @@ def connector_names(value: dict[str, Any] | None) -> list[str]:
     return [n for n in names if isinstance(n, str)]
 
 
-def planned_connectors(value: dict[str, Any] | None) -> list[str]:
-    """The not-yet-supported connectors `--kv-transfer-config` names."""
-    return [n for n in connector_names(value) if n in PLANNED]
-
-
 def known_connectors() -> list[str]:
     return sorted(REGISTRY)
 
@@ -51,8 +47,6 @@ def known_connectors() -> list[str]:
 def check_connector_name(config: KVTransferConfig) -> None:
     """ValueError unless `config` (and, for `MultiConnector`, each child) names a connector
     that can be found; a module path must import."""
-    if config.kv_connector in PLANNED:
-        return
     if config.kv_connector_module_path and config.kv_connector not in REGISTRY:
         _import_class(config.kv_connector_module_path, config.kv_connector)
     elif config.kv_connector not in REGISTRY:

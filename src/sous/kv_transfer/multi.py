@@ -91,6 +91,11 @@ class MultiConnector(KVConnectorBase):
                 params.update(child_params)
         return delay, params
 
+    def update_connector_output(self, finished_sending: set[str],
+                                finished_recving: set[str]) -> None:
+        for c in self.children:
+            c.update_connector_output(finished_sending, finished_recving)
+
     def take_events(self) -> list[list[Any]]:
         return [e for c in self.children for e in c.take_events()]
 

@@ -20,6 +20,7 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISHED_REASONS = ("stop", "length", "abort")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 def buckets_1_2_5(max_value: int) -> list[float]:
@@ -81,6 +82,20 @@ class ServerMetrics:
         self.e2e = _Histogram(E2E_BUCKETS)
         self.req_prompt = _Histogram(token_buckets)
         self.req_generation = _Histogram(token_buckets)
+        self.prompt_sources: dict[str, int] = dict.fromkeys(PROMPT_SOURCES, 0)
+        self.prompt_tokens_cached = 0
+        self.prompt_tokens_recomputed = 0
+
+    def count_prompt_sources(self, total: int, cached: int, external: int) -> None:
+        """vLLM's prompt token accounting: `cached` tokens were not computed, `external` of
+        them loaded by a KV connector. When all of a prompt was available, its last token was
+        recomputed for its logits: it counts as computed and as recomputed."""
+        recomputed = 1 if total > 0 and cached == total - 1 and external > 0 else 0
+        self.prompt_sources["local_compute"] += total - cached
+        self.prompt_sources["external_kv_transfer"] += external
+        self.prompt_sources["local_cache_hit"] += cached + recomputed - external
+        self.prompt_tokens_cached += cached
+        self.prompt_tokens_recomputed += recomputed
 
     def start(self, prompt_tokens: int) -> RequestMetrics:
         """Track one engine request (one prompt, all its n choices)."""
@@ -114,8 +129,21 @@ class ServerMetrics:
                 ("vllm:prefix_cache_hits_total", stat("prefix_cache_hits"),
                  "Prefix cache hits, in terms of number of cached tokens."),
                 ("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed."),
+                ("sous:kv_load_failures_total", stat("num_kv_load_failures"),
+                 "KV connector loads (offload tiers, P/D transfers) that fell short; their "
+                 "requests recomputed the missing tokens or failed."),
                 ("vllm:generation_tokens_total", self.generation_tokens,
                  "Number of generation tokens processed.")):
+            head(name, "counter", text)
+            out.append(f"{name}{{{lab}}} {_fmt(value)}")
+        head("vllm:prompt_tokens_by_source_total", "counter", "Number of prompt tokens by source.")
+        for source, n in self.prompt_sources.items():
+            out.append(f'vllm:prompt_tokens_by_source_total{{{lab},source="{source}"}} {_fmt(n)}')
+        for name, value, text in (
+                ("vllm:prompt_tokens_cached_total", self.prompt_tokens_cached,
+                 "Number of cached prompt tokens (local prefix cache and KV connectors)."),
+                ("vllm:prompt_tokens_recomputed_total", self.prompt_tokens_recomputed,
+                 "Number of cached prompt tokens recomputed for their logits.")):
             head(name, "counter", text)
             out.append(f"{name}{{{lab}}} {_fmt(value)}")
         head("vllm:request_success_total", "counter", "Count of successfully processed requests.")
@@ -139,7 +167,8 @@ class ServerMetrics:
 class RequestMetrics:
     """Timing of one engine request; call `tokens()` as outputs arrive and `finish()` once."""
 
-    __slots__ = ("_m", "arrival", "first_token", "prompt_tokens", "generated", "done")
+    __slots__ = ("_m", "arrival", "first_token", "prompt_tokens", "generated", "done",
+                 "num_cached", "num_external")
 
     def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
         self._m = metrics
@@ -148,6 +177,13 @@ class RequestMetrics:
         self.prompt_tokens = prompt_tokens
         self.generated = 0
         self.done = False
+        self.num_cached = 0
+        self.num_external = 0
+
+    def cached(self, num_cached: int, num_external: int) -> None:
+        """Prompt tokens the engine did not compute: `num_cached` in all, `num_external` of
+        them loaded by a KV connector."""
+        self.num_cached, self.num_external = num_cached, num_external
 
     def tokens(self, n: int) -> None:
         """`n` new tokens arrived (any choice)."""
@@ -165,6 +201,7 @@ class RequestMetrics:
         for r in reasons:
             m.success[r] = m.success.get(r, 0) + 1
         m.prompt_tokens += self.prompt_tokens
+        m.count_prompt_sources(self.prompt_tokens, self.num_cached, self.num_external)
         m.generation_tokens += self.generated
         m.e2e.observe(now - self.arrival)
         m.req_prompt.observe(self.prompt_tokens)

@@ -77,8 +77,8 @@ class _SamplingFields(_Base):
             raise APIError("logit_bias is not supported yet.", 400, "logit_bias")
         if self.prompt_logprobs is not None:
             raise APIError("prompt_logprobs is not supported yet.", 400, "prompt_logprobs")
-        if self.kv_transfer_params:
-            raise APIError("kv_transfer_params is not supported yet.", 400, "kv_transfer_params")
+        if self.kv_transfer_params and self.n != 1:
+            raise bad_request("kv_transfer_params needs n = 1.", "kv_transfer_params")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `SamplingParams` (besides max_tokens, logprobs, output_kind)."""
@@ -98,6 +98,8 @@ class _SamplingFields(_Base):
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
         kw.update({k: v for k, v in optional.items() if v is not None})
+        if self.kv_transfer_params:
+            kw["extra_args"] = {"kv_transfer_params": dict(self.kv_transfer_params)}
         return kw
 
     @property

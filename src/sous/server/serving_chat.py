@@ -213,7 +213,7 @@ class _ChatRun:
                             "finish_reason": finish_reason, "stop_reason": self.finish[i][1]})
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices, "usage": self._usage(stream),
-                "prompt_logprobs": None}
+                "prompt_logprobs": None, "kv_transfer_params": stream.kv_transfer_params}
 
     def _message(self, text: str, engine_reason: str | None) -> tuple[dict, str | None]:
         """A non-streamed choice's message and finish_reason."""

@@ -145,6 +145,8 @@ class EngineStream:
         self.ctx = ctx
         self.jobs = jobs
         self.cached_tokens = [0] * len(jobs)
+        self.kv_transfer_params: dict[str, Any] | None = None
+        """A finished job's KV connector parameters (the P/D prefill leg's answer)."""
         self.finished = [False] * len(jobs)
         self.errored = False
         self._reasons: list[dict[int, str]] = [{} for _ in jobs]
@@ -166,6 +168,7 @@ class EngineStream:
             self.errored = True  # rejected or failed: not a served request in the metrics
             raise
         self.cached_tokens[i] = out.num_cached_tokens
+        self._metrics[i].cached(out.num_cached_tokens, out.num_external_computed_tokens)
         n_new = 0
         for c in out.outputs:
             n_new += len(c.token_ids)
@@ -173,6 +176,7 @@ class EngineStream:
                 self._reasons[i][c.index] = c.finish_reason
         self._metrics[i].tokens(n_new)
         if out.finished:
+            self.kv_transfer_params = out.kv_transfer_params or self.kv_transfer_params
             self.finished[i] = True
             self._metrics[i].finish(list(self._reasons[i].values()))
         return i, out

@@ -160,7 +160,8 @@ class _Run:
                             "logprobs": ch.logprobs, "finish_reason": ch.finish_reason,
                             "stop_reason": ch.stop_reason, "prompt_logprobs": None})
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices, "usage": self._usage(stream)}
+                "model": self.ctx.model_name, "choices": choices, "usage": self._usage(stream),
+                "kv_transfer_params": stream.kv_transfer_params}
 
     def _fold(self, i: int, out: RequestOutput) -> None:
         for c in out.outputs:

@@ -158,10 +158,13 @@ class KVCacheManager:
         new_computed_blocks: ComputedBlocks | None = None,
         num_external_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Reserve blocks so `num_computed_tokens + hit tokens + external tokens (a KV
         connector loads them into the new blocks) + num_new_tokens (+ lookahead)` tokens fit.
-        Returns the newly allocated blocks, or None when the pool is too small."""
+        Returns the newly allocated blocks, or None when the pool is too small.
+        `delay_cache_blocks`: index no new full block yet (an asynchronous load is still
+        writing them; `cache_blocks` once it is done)."""
         computed = new_computed_blocks or ComputedBlocks([])
         hits, sub_hit = computed.blocks, computed.sub_block
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -188,8 +191,14 @@ class KVCacheManager:
             self.copy_ops.append(KVCacheCopyOp(sub_hit.src.block_id, new_blocks[0].block_id,
                                                sub_hit.num_tokens))
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if not delay_cache_blocks:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's blocks that are full once its first `num_tokens` tokens are
+        written (after an asynchronous load landed them)."""
+        self._cache_full_blocks(request, num_tokens)
 
     def _get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         new_blocks = self.pool.get_new_blocks(n)

@@ -16,6 +16,8 @@ one thread drives a transport.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,8 @@ import numpy as np
 import torch
 
 from sous.kv_transfer.base import cache_planes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,25 @@ class NixlTransport:
             name, self.agent.get_xfer_descs(layout.descriptors(), "DRAM"), "DRAM")
         self._remotes[layout.engine_id] = (name, dlist, layout)
 
+    def has_remote(self, engine_id: str) -> bool:
+        return engine_id in self._remotes
+
+    def forget_remote(self, engine_id: str) -> None:
+        """Drop a remote engine (it died or restarted): the next read handshakes again."""
+        entry = self._remotes.pop(engine_id, None)
+        if entry is None:
+            return
+        name, dlist, _ = entry
+        with contextlib.suppress(Exception):  # a dead peer's state may already be gone
+            self.agent.release_dlist_handle(dlist)
+        with contextlib.suppress(Exception):
+            self.agent.remove_remote_agent(name)
+
+    def notify(self, remote_engine_id: str, notif: bytes) -> None:
+        """Send a notification without reading (vLLM: free your blocks, I had them)."""
+        name, _, _ = self._remotes[remote_engine_id]
+        self.agent.send_notif(name, notif)
+
     def start_read(self, remote_engine_id: str, remote_block_ids: list[int],
                    local_block_ids: list[int], notif: bytes = b"") -> Any:
         """Start reading the remote blocks into ours (pairwise); returns a handle for `done`."""
@@ -132,6 +155,13 @@ class NixlTransport:
         if state != "DONE":
             raise RuntimeError(f"NIXL read failed: {state}")
         return True
+
+    def abandon(self, handle: Any) -> None:
+        """Give up a read still in progress (its peer stopped answering)."""
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:
+            logger.warning("NIXL: a stalled read could not be released")
 
     def take_notifs(self) -> list[bytes]:
         """Notification messages of reads other engines finished on our blocks."""

@@ -43,7 +43,7 @@ def inv_freq_for(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    return inv.float(), float(scaling)
+    return inv.float().to(torch.empty(0).device), float(scaling)  # the default device
 
 
 class RotaryEmbedding(nn.Module):
