@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,18 @@ def test_side_channel_address_and_an_unanswered_handshake() -> None:
     layout = KVLayout.of("e", caches(seed=None), BLOCK)
     with pytest.raises(TimeoutError, match=r"did not answer in 0.3 s"):
         fetch_metadata("127.0.0.1", free_port(), MODEL, layout, timeout_s=0.3)
+
+
+def test_ucx_transports_keep_tcp_and_avoid_cma_when_ptrace_is_scoped(tmp_path: Path) -> None:
+    from sous.kv_transfer.pd.nixl_transport import ucx_transports
+
+    scope = tmp_path / "ptrace_scope"
+    missing = str(tmp_path / "absent")
+    assert ucx_transports({}, missing) is None  # no Yama: UCX picks (CMA works)
+    scope.write_text("0\n")
+    assert ucx_transports({}, str(scope)) is None
+    scope.write_text("1\n")
+    assert ucx_transports({}, str(scope)) == "tcp"
+    assert ucx_transports({"UCX_TLS": "sm,self"}, missing) == "sm,self,tcp"
+    assert ucx_transports({"UCX_TLS": "tcp,cma"}, str(scope)) == "tcp,cma"
+    assert ucx_transports({"UCX_TLS": "^ib"}, missing) == "^ib"

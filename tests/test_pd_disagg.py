@@ -234,3 +234,32 @@ def test_side_channel_port_in_use_is_named(servers: tuple[str, str], tmp_path: P
                          timeout=300, env={**os.environ, **server_env(port)}, cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     assert re.search(rf"cannot listen on tcp://localhost:{port}", out.stderr)
+
+
+def test_decode_leg_finished_before_admission_still_releases_the_prefill() -> None:
+    """An aborted decode leg that never got blocks sends the prefill a bare notification
+    (vLLM: an empty read), so the prefill frees its blocks without waiting for the lease."""
+    from sous.engine.request import Request, RequestStatus
+    from sous.engine.sampling_params import SamplingParams
+    from sous.kv_transfer.pd.scheduler_side import PDScheduler
+
+    sched = PDScheduler("decode-engine", 16, "localhost", 5600, 30.0)
+    params = {"do_remote_prefill": True, "remote_block_ids": [[3, 4]], "remote_engine_id": "p",
+              "remote_request_id": "req-p", "remote_host": "localhost", "remote_port": 5601}
+    request = Request("req-d", list(range(20)), SamplingParams(), frozenset(), 8,
+                      kv_transfer_params=params)
+    assert sched.get_num_new_matched_tokens(request, 0) == (20, True)
+    request.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(request, []) == (False, None)
+    (spec,) = sched.build_connector_meta().recvs
+    assert spec.local_block_ids == [] and spec.notif == b"req-p:1"
+    # Admitted, then aborted while its read is in flight: its blocks wait for the read.
+    request2 = Request("req-d2", list(range(40)), SamplingParams(), frozenset(), 8,
+                       kv_transfer_params={**params, "remote_block_ids": [[5, 6, 7]]})
+    sched.update_state_after_alloc(request2, [10, 11, 12], 40)
+    (spec,) = sched.build_connector_meta().recvs
+    assert (spec.local_block_ids, spec.remote_block_ids) == ([10, 11, 12], [5, 6, 7])
+    request2.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(request2, [10, 11, 12]) == (True, None)
+    sched.update_connector_output({"req-d2"})
+    assert sched.request_finished(request2, [10, 11, 12]) == (False, None)

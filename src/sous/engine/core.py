@@ -298,6 +298,8 @@ class EngineCore:
             return []
         connector.update_connector_output(runner_out.finished_sending,
                                           runner_out.finished_recving)
+        for name, value in runner_out.kv_connector_stats.items():
+            sched.kv_connector_stats[name] = sched.kv_connector_stats.get(name, 0) + value
         for rid in runner_out.finished_sending:
             sched.free_delayed(rid)
         errors = {rid: n for rid, n in runner_out.kv_load_errors.items()

@@ -168,6 +168,7 @@ class ModelRunner:
             result.finished_sending, result.finished_recving = connector.get_finished(
                 set(so.finished_req_ids))
             result.kv_load_errors.update(connector.get_load_errors())
+            result.kv_connector_stats = connector.get_kv_connector_stats()
             return result
         finally:
             connector.clear_connector_metadata()

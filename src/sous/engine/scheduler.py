@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sous.config.scheduler import SchedulerConfig
@@ -42,6 +42,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_kv_load_failures: int = 0
+    kv_connector_stats: dict[str, float] = field(default_factory=dict)
 
 
 class WaitGate(Protocol):
@@ -71,6 +72,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_kv_load_failures = 0
         """KV connector loads that fell short (their requests recomputed or failed)."""
+        self.kv_connector_stats: dict[str, float] = {}
+        """The connector's worker-side counters, added up (`get_kv_connector_stats`)."""
         self.gates: list[WaitGate] = []
         self._num_sent_blocks: dict[str, int] = {}
         """Per request the worker holds: how many of its block ids it has been sent."""
@@ -359,4 +362,5 @@ class Scheduler:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             num_kv_load_failures=self.num_kv_load_failures,
+            kv_connector_stats=dict(self.kv_connector_stats),
         )

@@ -112,6 +112,8 @@ class ModelRunnerOutput:
     """Finished requests whose blocks a connector kept for a reader and now releases."""
     finished_recving: set[str] = field(default_factory=set)
     """Requests whose asynchronous KV load is over (WAITING_FOR_REMOTE_KVS ends)."""
+    kv_connector_stats: dict[str, float] = field(default_factory=dict)
+    """Counters the connector's worker side added this step (e.g. `kv_transfer_bytes`)."""
 
     def merge(self, other: ModelRunnerOutput) -> None:
         self.sampled_token_ids.update(other.sampled_token_ids)
@@ -120,3 +122,5 @@ class ModelRunnerOutput:
         self.kv_load_errors.update(other.kv_load_errors)
         self.finished_sending |= other.finished_sending
         self.finished_recving |= other.finished_recving
+        for name, value in other.kv_connector_stats.items():
+            self.kv_connector_stats[name] = self.kv_connector_stats.get(name, 0) + value

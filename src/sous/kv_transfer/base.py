@@ -146,5 +146,9 @@ class KVConnectorBase:
         """(requests done sending, requests done receiving) since the last call."""
         return set(), set()
 
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """Counters since the last call (added up by the engine, shown in `/metrics`)."""
+        return {}
+
     def shutdown(self) -> None:
         return None

@@ -146,6 +146,13 @@ class MultiConnector(KVConnectorBase):
             recving |= r
         return sending, recving
 
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in self.children:
+            for name, value in c.get_kv_connector_stats().items():
+                out[name] = out.get(name, 0) + value
+        return out
+
     def shutdown(self) -> None:
         for c in self.children:
             c.shutdown()

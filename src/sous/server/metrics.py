@@ -20,6 +20,11 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISHED_REASONS = ("stop", "length", "abort")
+KV_CONNECTOR_COUNTERS = {
+    "kv_transfers": "P/D KV reads from a prefill server completed.",
+    "kv_transfer_bytes": "Bytes of KV cache those reads moved.",
+    "kv_transfer_seconds": "Seconds those reads took (start to seen done).",
+}
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
@@ -146,6 +151,11 @@ class ServerMetrics:
                  "Number of cached prompt tokens recomputed for their logits.")):
             head(name, "counter", text)
             out.append(f"{name}{{{lab}}} {_fmt(value)}")
+        connector = getattr(stats, "kv_connector_stats", None) or {}
+        for key, text in KV_CONNECTOR_COUNTERS.items():
+            name = f"sous:{key}_total"
+            head(name, "counter", text)
+            out.append(f"{name}{{{lab}}} {_fmt(connector.get(key, 0))}")
         head("vllm:request_success_total", "counter", "Count of successfully processed requests.")
         for reason, n in self.success.items():
             out.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {_fmt(n)}')

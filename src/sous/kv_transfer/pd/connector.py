@@ -108,6 +108,9 @@ class NixlConnector(KVConnectorBase):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return self._work().get_finished()
 
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        return self._work().get_kv_connector_stats()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

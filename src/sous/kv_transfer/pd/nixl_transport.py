@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,11 @@ class KVLayout:
                    str(first.dtype).removeprefix("torch."),
                    tuple(c.data_ptr() for c in kv_caches))
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block holds over all layers and planes."""
+        return self.num_layers * self.kv_size * self.block_bytes
+
     def descriptors(self) -> np.ndarray:
         """`[layers * planes * blocks, 3]` rows of (address, bytes, device 0), row
         `(layer * kv_size + plane) * num_blocks + block`."""
@@ -82,12 +88,43 @@ class KVLayout:
                                  f"{theirs!r} there, {mine!r} here")
 
 
+PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+def ucx_transports(env: dict[str, str], ptrace_scope_path: str = PTRACE_SCOPE) -> str | None:
+    """The `UCX_TLS` to run NIXL's UCX backend with, or None to leave UCX's choice. UCX
+    needs `tcp` among its transports here (shared-memory-only settings fail at agent
+    creation), so a user list without it gets it added; and with no list, only `tcp` when
+    cross-memory attach between sibling processes is not permitted (Yama ptrace_scope > 0:
+    UCX's CMA reads would fail with EPERM)."""
+    tls = env.get("UCX_TLS")
+    if tls:
+        names = [t.strip() for t in tls.split(",")]
+        if tls.startswith("^") or "all" in names or "tcp" in names:
+            return tls
+        return ",".join([*names, "tcp"])
+    try:
+        with open(ptrace_scope_path) as f:
+            scope = f.read().strip()
+    except OSError:
+        return None  # no Yama: CMA works between processes of one user
+    return None if scope == "0" else "tcp"
+
+
+def _set_ucx_transports() -> None:
+    tls = ucx_transports(dict(os.environ))
+    if tls is not None and tls != os.environ.get("UCX_TLS"):
+        logger.info("NIXL: UCX_TLS=%s (was %s)", tls, os.environ.get("UCX_TLS", "unset"))
+        os.environ["UCX_TLS"] = tls
+
+
 class NixlTransport:
     """This engine's NIXL agent over its registered KV cache (see the module docstring)."""
 
     def __init__(self, engine_id: str, kv_caches: list[torch.Tensor], block_size: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        _set_ucx_transports()
         self.layout = KVLayout.of(engine_id, kv_caches, block_size)
         self.agent = nixl_agent(engine_id, nixl_agent_config(backends=["UCX"]))
         self._reg = self.agent.get_reg_descs(kv_caches, "DRAM")

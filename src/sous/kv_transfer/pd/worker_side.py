@@ -50,8 +50,9 @@ class PDWorker:
         self._handshakes: dict[str, Future[tuple[KVLayout, bytes]]] = {}
         self._waiting: list[RecvSpec] = []
         """Reads waiting for their remote engine's handshake."""
-        self._reads: dict[str, tuple[Any, float]] = {}
-        """Request -> (NIXL handle, deadline)."""
+        self._reads: dict[str, tuple[Any, float, float]] = {}
+        """Request -> (NIXL handle, start time, deadline)."""
+        self._stats: dict[str, float] = {}
         self._specs: dict[str, RecvSpec] = {}
         self._done_recving: set[str] = set()
         self._errors: dict[str, int] = {}
@@ -125,12 +126,13 @@ class PDWorker:
                 transport.notify(spec.remote.engine_id, spec.notif)
                 self._specs.pop(spec.req_id, None)
                 return
+            start = time.monotonic()
             handle = transport.start_read(spec.remote.engine_id, spec.remote_block_ids,
                                           spec.local_block_ids, spec.notif)
         except Exception as e:
             self._fail(spec, f"read from engine {spec.remote.engine_id} failed to start: {e}")
             return
-        self._reads[spec.req_id] = (handle, time.monotonic() + READ_TIMEOUT_S)
+        self._reads[spec.req_id] = (handle, start, start + READ_TIMEOUT_S)
 
     def _fail(self, spec: RecvSpec, why: str, forget: bool = True) -> None:
         logger.warning("KV transfer for request %s: %s; recomputing its prompt locally",
@@ -146,7 +148,7 @@ class PDWorker:
         transport = self.transport
         assert transport is not None
         now = time.monotonic()
-        for rid, (handle, deadline) in list(self._reads.items()):
+        for rid, (handle, start, deadline) in list(self._reads.items()):
             spec = self._specs[rid]
             try:
                 done = transport.done(handle)
@@ -158,6 +160,8 @@ class PDWorker:
                 del self._reads[rid]
                 self._specs.pop(rid, None)
                 self._done_recving.add(rid)
+                self._count(len(spec.local_block_ids) * transport.layout.bytes_per_block,
+                            now - start)
             elif now > deadline:
                 del self._reads[rid]
                 transport.abandon(handle)
@@ -191,6 +195,18 @@ class PDWorker:
         self._poll_reads()
         recving, self._done_recving = self._done_recving, set()
         return self._poll_leases(), recving
+
+    def _count(self, num_bytes: int, seconds: float) -> None:
+        stats = self._stats
+        for name, value in (("kv_transfer_bytes", num_bytes), ("kv_transfer_seconds", seconds),
+                            ("kv_transfers", 1)):
+            stats[name] = stats.get(name, 0) + value
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """`kv_transfer_bytes`, `kv_transfer_seconds` (start to seen done) and `kv_transfers`
+        of the reads finished since the last call."""
+        stats, self._stats = self._stats, {}
+        return stats
 
     def get_load_errors(self) -> dict[str, int]:
         errors, self._errors = self._errors, {}
