@@ -15,10 +15,12 @@
 #
 # Output: everything printed goes to $OUT/cuda_check.log too, with JUnit XML per pytest run
 # ($OUT/junit_cuda.xml, $OUT/junit_existing.xml) and the tests' server logs under $OUT/logs/.
-# Exit status: 0 when both pytest runs pass, else the first failing one's status.
+# Exit status: 0 when both pytest runs pass, else the first failing one's status; 2: the wheels
+# did not install, 3: an import failed, 4: torch sees no CUDA device (SOUS_CUDA_CHECK_DEVICE=cuda).
 #
 # Environment: OUT (default /tmp/out), PYTHON (python3), CUDA_CHECK_SITE (/tmp/site),
 # CUDA_CHECK_WHEELS (.whl), CUDA_CHECK_TMP (/tmp/sous-cuda-check: pytest's --basetemp),
+# CUDA_CHECK_X (-x: test_cuda.py stops at its first failure; set it empty to run them all),
 # SOUS_CUDA_CHECK_DEVICE (cuda; `cpu` runs test_cuda.py's tests on the CPU, to check them
 # where there is no GPU), SOUS_OPS_BUILD_DIR (a fresh /tmp folder: shows whether anything
 # built sous' C++ CPU ops).
@@ -50,6 +52,7 @@ EXISTING=(
 main() {
   local t0 rc_cuda=0 rc_existing=0
   t0=$(date +%s)
+  touch "$TMP_BASE/.start"
   echo "== $(date -u +%FT%TZ) sous CUDA check in $(pwd) (git $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
 
   echo "== installing $(ls "$WHEELS"/*.whl 2>/dev/null | wc -l) wheels from $WHEELS/ into $SITE"
@@ -64,9 +67,11 @@ main() {
   echo "== nvidia-smi -L"
   nvidia-smi -L || echo "(nvidia-smi not available)"
   echo "== versions"
-  "$PY" - <<'PYEOF' || { echo "!! the import check failed"; return 3; }
+  local rc_versions=0
+  "$PY" - <<'PYEOF' || rc_versions=$?
 import importlib
 import importlib.metadata as md
+import os
 import platform
 import shutil
 import sys
@@ -93,29 +98,34 @@ for mod in ("sous.engine.llm", "sous.engine.async_llm", "sous.server.api_server"
     importlib.import_module(mod)
 print("imports ok; lmcache loaded:", "lmcache" in sys.modules, "nixl loaded:",
       any(m.startswith("nixl") for m in sys.modules))
+if os.environ.get("SOUS_CUDA_CHECK_DEVICE", "cuda") == "cuda" and not torch.cuda.is_available():
+    print("!! torch sees no CUDA device: tests/test_cuda.py would only be skipped")
+    sys.exit(4)
 PYEOF
+  if [ "$rc_versions" -eq 4 ]; then return 4; fi
+  if [ "$rc_versions" -ne 0 ]; then echo "!! the version/import check failed"; return 3; fi
 
   echo "== pytest tests/test_cuda.py (device ${SOUS_CUDA_CHECK_DEVICE:-cuda})"
   local t1
   t1=$(date +%s)
-  timeout -k 10 330 "$PY" -m pytest -x -q -p no:cacheprovider --durations=15 \
+  timeout -k 10 200 "$PY" -m pytest ${CUDA_CHECK_X--x} -q -p no:cacheprovider --durations=15 \
     --basetemp="$TMP_BASE/cuda" --junitxml="$OUT/junit_cuda.xml" tests/test_cuda.py
   rc_cuda=$?
   echo "   test_cuda.py: exit $rc_cuda in $(( $(date +%s) - t1 )) s"
 
   echo "== pytest: existing tests that reach the GPU through --device auto"
   t1=$(date +%s)
-  timeout -k 10 270 "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
+  timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
     --basetemp="$TMP_BASE/existing" --junitxml="$OUT/junit_existing.xml" "${EXISTING[@]}"
   rc_existing=$?
   echo "   existing tests: exit $rc_existing in $(( $(date +%s) - t1 )) s"
 
   echo "== sous C++ CPU ops build dir ($SOUS_OPS_BUILD_DIR):"
-  if compgen -G "$SOUS_OPS_BUILD_DIR/*.so" >/dev/null; then
-    ls -la "$SOUS_OPS_BUILD_DIR"/*.so
+  ls -la "$SOUS_OPS_BUILD_DIR"/*.so 2>/dev/null || echo "   (no sous_ops.so there)"
+  if [ -n "$(find "$SOUS_OPS_BUILD_DIR" -name '*.so' -newer "$TMP_BASE/.start" 2>/dev/null)" ]; then
     echo "   -> something built the C++ CPU ops during this run"
   else
-    echo "   -> not built during this run"
+    echo "   -> the C++ CPU ops were not built during this run"
   fi
   mkdir -p "$OUT/logs"
   (cd "$TMP_BASE" 2>/dev/null && find . -name '*.log' -size -2M -exec cp --parents {} "$OUT/logs/" \;)

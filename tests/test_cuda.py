@@ -6,7 +6,9 @@ transformers' `generate` on the GPU and logprobs agree within 1e-4 (TF32 off: fl
 are exact there, as on the CPU); 16 concurrent requests, with and without chunked prefill,
 give each request's tokens alone; bfloat16 batched equals bfloat16 alone (a token may differ
 only at a near tie); the KV cache and the weights live on the device; the CPU-only C++ ops are
-never asked for.
+never asked for. Also on the device: prefix and sub-block cache hits (slot copies), seeded
+sampling with filters and penalties, MLA / MoE / indexer models, xgrammar's bitmask, scaled
+RoPE tables.
 
 `SOUS_CUDA_CHECK_DEVICE=cpu` runs the same tests on the CPU (to check the tests themselves;
 with `SOUS_ATTENTION=torch` they also take the pure-torch paths the GPU takes). The default is
@@ -228,13 +230,13 @@ def test_kv_budget_on_device(tiny_llama: Path) -> None:
 
     llm = _llm(tiny_llama)
     spec = llm.engine.model_info.kv_cache_spec
-    cache = CacheConfig(gpu_memory_utilization=0.05)
+    cache = CacheConfig(gpu_memory_utilization=0.5)
     budget = kv_cache_budget_bytes(cache, DEV, 1 << 20)
     blocks = num_kv_blocks(cache, spec, DEV, 1 << 20)
     assert blocks == budget // spec.page_bytes(16) and blocks >= 2
     if ON_CUDA:
-        free, total = torch.cuda.mem_get_info(DEV)
-        assert budget <= int(total * 0.05)
+        _, total = torch.cuda.mem_get_info(DEV)
+        assert 0 < budget <= int(total * 0.5)
         assert resolve_dtype("auto", torch.float32, DEV) == torch.bfloat16
         assert resolve_dtype("auto", torch.float16, DEV) == torch.float16
 
@@ -268,7 +270,7 @@ def test_llama_bfloat16_batched_equals_alone(tiny_llama: Path, hf_llama: Any) ->
     llm = _llm(tiny_llama, dtype="bfloat16", enable_prefix_caching=False,
                max_num_batched_tokens=64)
     _assert_on_device(llm, torch.bfloat16)
-    params = _greedy(N16, logprobs=2)
+    params = _greedy(N16, logprobs=5)
     alone = [_generate(llm, [p], params)[0] for p in PROMPTS16]
     together = _generate(llm, PROMPTS16, params)
     for t, a in zip(together, alone, strict=True):
@@ -375,7 +377,8 @@ def test_moe_models_match_transformers(arch: str, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ server
 
 
-def test_openai_server_chat_completion_on_device(tiny_llama: Path, tmp_path: Path) -> None:
+def test_openai_server_chat_completion_on_device(tiny_llama: Path, hf_llama: Any,
+                                                 tmp_path: Path) -> None:
     """`sous serve --device cuda` on the tiny Llama: one greedy chat completion through the
     `openai` client equals the offline engine's `chat` on the same device, whose tokens equal
     transformers'; the server's KV cache is on the device (its start-up log says so)."""
@@ -385,7 +388,7 @@ def test_openai_server_chat_completion_on_device(tiny_llama: Path, tmp_path: Pat
     n = 16
     llm = _llm(tiny_llama)
     offline = llm.chat(messages, _greedy(n), use_tqdm=False)[0]
-    want, _ = _hf_greedy(_hf(tiny_llama), offline.prompt_token_ids, n)
+    want, _ = _hf_greedy(hf_llama, offline.prompt_token_ids, n)
     assert offline.outputs[0].token_ids == want
     del llm
     log = tmp_path / "server.log"
