@@ -126,7 +126,10 @@ class NixlTransport:
 
         _set_ucx_transports()
         self.layout = KVLayout.of(engine_id, kv_caches, block_size)
-        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: NIXL's spins (no delay) and would take a core from the model;
+        # transfers progress when the engine polls (`done`, `take_notifs`).
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=False,
+                                                             backends=["UCX"]))
         self._reg = self.agent.get_reg_descs(kv_caches, "DRAM")
         self.agent.register_memory(self._reg)
         self._local = self.agent.prep_xfer_dlist(
