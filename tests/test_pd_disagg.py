@@ -263,3 +263,28 @@ def test_decode_leg_finished_before_admission_still_releases_the_prefill() -> No
     assert sched.request_finished(request2, [10, 11, 12]) == (True, None)
     sched.update_connector_output({"req-d2"})
     assert sched.request_finished(request2, [10, 11, 12]) == (False, None)
+
+
+def test_recipe_multi_connector_nixl_and_lmcache(tmp_path: Path) -> None:
+    """The recipes' P/D + LMCache form: RblnNixlConnector next to RBLNLMCacheConnectorV1."""
+    transfer = json.dumps({
+        "kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "RblnNixlConnector", "kv_role": "kv_both",
+                 "kv_buffer_device": "rbln", "kv_connector_extra_config": {"name": "nixl"}},
+                {"kv_connector": "RBLNLMCacheConnectorV1", "kv_role": "kv_both"}]}})
+    lmcache = {"PYTHONHASHSEED": "0", "LMCACHE_LOCAL_CPU": "True",
+               "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5"}
+    args = [*SMALL, "--kv-transfer-config", transfer]
+    body = chat_body(story("a paper boat"), max_tokens=16)
+    with sous_serve(args, tmp_path / "p.log", env={**server_env(free_port()), **lmcache}) as p, \
+            sous_serve(args, tmp_path / "d.log", env={**server_env(free_port()), **lmcache}) as d:
+        want = httpx.post(p + "/v1/chat/completions", json=body, timeout=120).json()
+        for _ in range(2):  # the second time the decode server has the prompt cached
+            params = prefill_leg(p, body)
+            got = httpx.post(d + "/v1/chat/completions", timeout=120,
+                             json={**body, "kv_transfer_params": params}).json()
+            assert got["choices"][0]["message"]["content"] == \
+                want["choices"][0]["message"]["content"]
+            wait_usage_zero(p, 5)
+        assert metric(d, "sous:kv_transfers_total") == 2
