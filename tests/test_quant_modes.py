@@ -93,6 +93,28 @@ def test_preemption_equals_alone(quant: str, aloneq: list[list[int]]) -> None:
     assert [o.outputs[0].token_ids for o in outs] == aloneq[:8]
 
 
+def test_layer_stack_equals_the_python_layers(llmq: LLM, quant: str) -> None:
+    """GGUF weights run a step's decoder layers as one C++ call (`sous.models.llama_stack`):
+    bit-identical to the Python layers, batched, with sampled logprobs."""
+    model = llmq.engine.loaded.model
+    if quant != "gguf" or qgemm_ops(CPU) is None:
+        assert quant == "gguf" or model._layer_stack() is None  # int8 linears: Python layers
+        return
+    assert len(model._layer_stack()) == model.config.num_hidden_layers
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    llmq.engine.reset_prefix_cache()
+    fused = llmq.generate(PROMPTS[:6], params, use_tqdm=False)
+    model._stack = None  # the Python layers
+    try:
+        llmq.engine.reset_prefix_cache()
+        plain = llmq.generate(PROMPTS[:6], params, use_tqdm=False)
+    finally:
+        model._stack = False
+    for a, b in zip(fused, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_int8_logits_close_to_float32() -> None:
     """The approximation is bounded: logits of a fixed text stay close to float32's."""
     from paged_runner import PagedRunner

@@ -30,6 +30,7 @@ from sous.models.layers.rotary import (
     RotaryEmbedding,
     interleave_rows,
 )
+from sous.models.llama_stack import build_llama_stack, stack_runs
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FUSED = {
@@ -161,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = LlamaModel(hf_config, self.head_dim, dtype)
         self.lm_head: nn.Module = _Unloaded()
+        self._stack: Any = False
+        """`_layer_stack`'s cache: False until built (then the stack or None)."""
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(
@@ -182,6 +185,15 @@ class LlamaForCausalLM(nn.Module):
         those layers (`[T, H]` each, in that order), as EAGLE-3 drafts read it."""
         m = self.model
         h = m.embed_tokens.forward(input_ids)
+        if not aux_hidden_state_layers and h.dtype == self.dtype and stack_runs(attn_metadata, h):
+            stack = self._layer_stack()
+            if stack is not None:
+                meta = attn_metadata
+                h, residual = stack.forward(
+                    h, kv_caches, m.rotary.cos, m.rotary.sin, positions, meta.slot_mapping,
+                    meta.q_starts, meta.query_lens, meta.seq_lens, meta.block_tables,
+                    meta.block_size)
+                return m.norm.forward(h, residual)[0]
         rope = m.rotary.step(positions)
         residual = None
         aux: list[torch.Tensor] = []
@@ -191,6 +203,13 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer.forward(h, residual, rope, kv_cache, attn_metadata)
         h, _ = m.norm.forward(h, residual)
         return (h, aux) if aux_hidden_state_layers else h
+
+    def _layer_stack(self) -> Any | None:
+        """The layers as one C++ call (`sous.models.llama_stack`), built on first use; None
+        when they do not qualify."""
+        if self._stack is False:
+            self._stack = build_llama_stack(self)
+        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.forward(hidden).float()

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 NAME = "sous_ops"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "gqa.cpp", "index_scores.cpp", "threads.cpp", "quant.cpp",
-           "qgemm.cpp", "qgemm_rows.cpp", "layer_ops.cpp", "bindings.cpp")
+           "qgemm.cpp", "qgemm_rows.cpp", "layer_ops.cpp", "llama_stack.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 
 

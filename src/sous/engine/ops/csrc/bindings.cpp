@@ -1,5 +1,6 @@
 #include <torch/extension.h>
 
+#include "llama_stack.h"
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -29,4 +30,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_interleaved", &sous::rotary_interleaved,
         "Rotary embedding of [T, H, D] rows whose pairs are adjacent");
   m.def("silu_and_mul", &sous::silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  py::class_<sous::QLinear>(m, "QLinear")
+      .def(py::init<>())
+      .def_readwrite("w", &sous::QLinear::w)
+      .def_readwrite("wd", &sous::QLinear::wd)
+      .def_readwrite("wm", &sous::QLinear::wm)
+      .def_readwrite("n", &sous::QLinear::n)
+      .def_readwrite("bits", &sous::QLinear::bits)
+      .def_readwrite("bias", &sous::QLinear::bias);
+  py::class_<sous::LlamaLayer>(m, "LlamaLayer")
+      .def(py::init<>())
+      .def_readwrite("in_norm", &sous::LlamaLayer::in_norm)
+      .def_readwrite("post_norm", &sous::LlamaLayer::post_norm)
+      .def_readwrite("eps", &sous::LlamaLayer::eps)
+      .def_readwrite("qkv", &sous::LlamaLayer::qkv)
+      .def_readwrite("o", &sous::LlamaLayer::o)
+      .def_readwrite("gate_up", &sous::LlamaLayer::gate_up)
+      .def_readwrite("down", &sous::LlamaLayer::down)
+      .def_readwrite("num_heads", &sous::LlamaLayer::num_heads)
+      .def_readwrite("num_kv_heads", &sous::LlamaLayer::num_kv_heads)
+      .def_readwrite("head_dim", &sous::LlamaLayer::head_dim)
+      .def_readwrite("scale", &sous::LlamaLayer::scale)
+      .def_readwrite("k_scale", &sous::LlamaLayer::k_scale)
+      .def_readwrite("v_scale", &sous::LlamaLayer::v_scale);
+  py::class_<sous::LlamaStack>(m, "LlamaStack")
+      .def(py::init<>())
+      .def("append", [](sous::LlamaStack& s, const sous::LlamaLayer& l) { s.layers.push_back(l); })
+      .def("__len__", [](const sous::LlamaStack& s) { return s.layers.size(); })
+      .def("forward", &sous::LlamaStack::forward, py::call_guard<py::gil_scoped_release>(),
+           "All decoder layers of one step: (h, residual) before the final norm");
 }
