@@ -1,12 +1,15 @@
 """P/D disaggregation over NIXL: KV transfer bandwidth and the TTFT it adds, against one
 aggregated server, for prompts of several lengths. Prints JSON.
 
-    python benchmarks/pd_transfer.py [--sizes 1024,4096,8000] [--repeats 3] [--output F]
+    python benchmarks/pd_transfer.py [--sizes 1024,4096,8000] [--repeats 3] [--long-context]
+                                     [--output F]
 
-Two `sous serve` processes (bundled SmolLM2-135M, `--kv-transfer-config NixlConnector`,
-each its own side-channel port, `--kv-cache-memory-bytes` room for the longest prompt a few
-times). Per size and repeat, fresh prompts of seeded random words, `size` tokens with the
-chat template (so every prefill is a genuine miss), greedy, `--max-tokens` tokens:
+Two `sous serve` processes (`--kv-transfer-config NixlConnector`, each its own side-channel
+port, `--kv-cache-memory-bytes` room for the longest prompt a few times) serving the bundled
+SmolLM2-135M, or with `--long-context` a random stand-in with its KV geometry and a 32k context
+(`long_context_model`: the same bytes move per token; prompts up to 16k and more). Per size and
+repeat, fresh completion prompts of seeded random token ids (every prefill a genuine miss),
+greedy, `--max-tokens` tokens:
 
 - `aggregated_ttft_s`: one streamed request to the prefill server alone (the baseline);
 - `pd_ttft_s`: another prompt through the two legs as a router sends them: the prefill leg
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -38,22 +42,36 @@ from typing import Any
 
 import httpx
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "peers")]
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE / "peers")]
 from peer_engines import _wait_ready, free_port, wait_idle  # noqa: E402
 
-from kv_offload import PromptMaker, machine, median, stop  # noqa: E402
+from kv_offload import machine, median, stop  # noqa: E402
 
 NIXL = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
-MODEL = "SmolLM2-135M-Instruct"
+KV_BYTES_PER_TOKEN = 23040
+"""bf16 KV of SmolLM2-135M (30 layers x K, V x 3 heads x 64), and of the long-context stand-in."""
 
 
-def start_server(name: str, work: Path, cache_bytes: int, timeout_s: float
-                 ) -> tuple[subprocess.Popen, str]:
+def long_context_model(work: Path) -> Path:
+    """A random Llama with the bundled model's KV geometry (30 layers, 3 KV heads of 64) and a
+    32k context, small elsewhere (3 query heads, vocabulary 1000): what moves per token is the
+    same as for SmolLM2, prefill is cheaper, and prompts can be longer than its 8192."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from tiny_models import make_tiny_llama
+
+    return make_tiny_llama(work, name="long-context", num_hidden_layers=30, hidden_size=192,
+                           num_attention_heads=3, num_key_value_heads=3, intermediate_size=256,
+                           max_position_embeddings=32768, dtype="bfloat16")
+
+
+def start_server(name: str, work: Path, cache_bytes: int, timeout_s: float,
+                 model: list[str]) -> tuple[subprocess.Popen, str]:
     log = work / f"{name}.log"
     port = free_port()
     env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-    cmd = [sys.executable, "-m", "sous.cli", "serve", "--port", str(port), "--kv-transfer-config",
-           NIXL, "--kv-cache-memory-bytes", str(cache_bytes)]
+    cmd = [sys.executable, "-m", "sous.cli", "serve", *model, "--port", str(port),
+           "--kv-transfer-config", NIXL, "--kv-cache-memory-bytes", str(cache_bytes)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -72,7 +90,7 @@ def counters(client: httpx.Client, base: str) -> dict[str, float]:
 
 def stream_ttft(client: httpx.Client, base: str, body: dict, start: float) -> float:
     """Seconds from `start` to the first streamed chunk carrying text."""
-    with client.stream("POST", base + "/v1/chat/completions",
+    with client.stream("POST", base + "/v1/completions",
                        json={**body, "stream": True}) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{base}: HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -80,27 +98,28 @@ def stream_ttft(client: httpx.Client, base: str, body: dict, start: float) -> fl
         for line in r.iter_lines():  # read to the end: the request is over when this returns
             if ttft is None and line.startswith("data: {"):
                 choices = json.loads(line[6:])["choices"]
-                if choices and choices[0]["delta"].get("content"):
+                if choices and choices[0].get("text"):
                     ttft = time.perf_counter() - start
     if ttft is not None:
         return ttft
     raise RuntimeError(f"{base}: no text streamed")
 
 
-def one_size(client: httpx.Client, p: str, d: str, maker: PromptMaker, size: int,
+def one_size(client: httpx.Client, p: str, d: str, model: str, vocab: int, size: int,
              args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for rep in range(args.repeats):
-        bodies = [{"model": MODEL, "temperature": 0, "max_tokens": args.max_tokens,
-                   "ignore_eos": True,
-                   "messages": [{"role": "user", "content": maker.make(
-                       size * 1000 + rep * 2 + k, f"{size}-{rep}-{k}")[0]}]}
-                  for k in range(2)]
+        bodies = []
+        for k in range(2):  # fresh prompts of seeded random token ids (no special tokens)
+            rng = random.Random(size * 1000 + rep * 2 + k)
+            bodies.append({"model": model, "temperature": 0, "max_tokens": args.max_tokens,
+                           "ignore_eos": True,
+                           "prompt": [rng.randrange(16, vocab) for _ in range(size)]})
         aggregated = stream_ttft(client, p, bodies[0], time.perf_counter())
         before = counters(client, d)
         start = time.perf_counter()
         leg = {**bodies[1], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-        answer = client.post(p + "/v1/chat/completions", json=leg)
+        answer = client.post(p + "/v1/completions", json=leg)
         answer.raise_for_status()
         params = answer.json()["kv_transfer_params"]
         decode_start = time.perf_counter()
@@ -114,47 +133,57 @@ def one_size(client: httpx.Client, p: str, d: str, maker: PromptMaker, size: int
                      "transfer_mib": round(moved / 2**20, 2),
                      "transfer_s": round(secs, 4),
                      "transfer_gb_per_s": round(moved / secs / 1e9, 3) if secs else None})
-    agg = median([r["aggregated_ttft_s"] for r in runs])
-    pd = median([r["pd_ttft_s"] for r in runs])
+    agg = _median4([r["aggregated_ttft_s"] for r in runs])
+    pd = _median4([r["pd_ttft_s"] for r in runs])
     rates = [r["transfer_gb_per_s"] for r in runs if r["transfer_gb_per_s"]]
     return {"prompt_tokens": size, "aggregated_ttft_s": agg, "pd_ttft_s": pd,
             "added_ttft_s": round(pd - agg, 4) if pd is not None and agg is not None else None,
-            "decode_leg_ttft_s": median([r["decode_leg_ttft_s"] for r in runs]),
-            "transfer_gb_per_s": median(rates), "transfer_mib": runs[0]["transfer_mib"],
+            "decode_leg_ttft_s": _median4([r["decode_leg_ttft_s"] for r in runs]),
+            "transfer_gb_per_s": _median4(rates), "transfer_mib": runs[0]["transfer_mib"],
             "runs": runs}
+
+
+def _median4(values: list[float]) -> float | None:
+    m = median(values)
+    return None if m is None else round(m, 4)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1024,4096,8000",
-                    help="prompt lengths in tokens (the bundled model holds 8192)")
+    ap.add_argument("--sizes", default=None,
+                    help="prompt lengths in tokens (default 1024,4096,8000; with --long-context "
+                         "1024,4096,16384)")
+    ap.add_argument("--long-context", action="store_true",
+                    help="serve a random stand-in with the bundled model's KV geometry and a 32k "
+                         "context instead of the bundled model (8192 tokens)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--idle-wait", type=float, default=60.0)
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    default = "1024,4096,16384" if args.long_context else "1024,4096,8000"
+    sizes = [int(s) for s in (args.sizes or default).split(",")]
     work = Path(tempfile.mkdtemp(prefix="sous-pd-"))
-    cache_bytes = 3 * (max(sizes) + 64) * 23040 + 64 * 2**20  # bf16 KV of the bundled model
+    cache_bytes = 3 * (max(sizes) + 64) * KV_BYTES_PER_TOKEN + 64 * 2**20
+    model = [str(long_context_model(work)), "--dtype", "bfloat16"] if args.long_context else []
     out: dict[str, Any] = {"machine": machine(), "max_tokens": args.max_tokens,
-                           "repeats": args.repeats}
+                           "repeats": args.repeats, "long_context": args.long_context}
     procs = []
     status = 0
     try:
         out["busy_pct_before"] = wait_idle(args.idle_wait)
-        p_proc, p = start_server("prefill", work, cache_bytes, args.ready_timeout)
+        p_proc, p = start_server("prefill", work, cache_bytes, args.ready_timeout, model)
         procs.append(p_proc)
-        d_proc, d = start_server("decode", work, cache_bytes, args.ready_timeout)
+        d_proc, d = start_server("decode", work, cache_bytes, args.ready_timeout, model)
         procs.append(d_proc)
-        maker = PromptMaker(max(sizes))
-        with httpx.Client(timeout=600, trust_env=False) as client:
-            stream_ttft(client, p, {"model": MODEL, "max_tokens": 4, "messages": [
-                {"role": "user", "content": "warm up"}]}, time.perf_counter())
-            results = []
-            for size in sizes:
-                maker.tokens = size
-                results.append(one_size(client, p, d, maker, size, args))
+        with httpx.Client(timeout=1800, trust_env=False) as client:
+            card = client.get(p + "/v1/models").json()["data"][0]
+            vocab = 1000 if args.long_context else 49152
+            out["model"] = card["id"]
+            stream_ttft(client, p, {"model": card["id"], "max_tokens": 4, "prompt": [20, 30, 40]},
+                        time.perf_counter())
+            results = [one_size(client, p, d, card["id"], vocab, size, args) for size in sizes]
         out["results"] = results
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"

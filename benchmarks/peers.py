@@ -103,7 +103,9 @@ def _profile(args: argparse.Namespace) -> dict[str, Any]:
     tokens = 8 if args.quick else 32
     for impl in ("torch", "cpp"):
         wait_idle(args.idle_wait)
-        env = {**os.environ, "SOUS_ATTENTION": impl, "HF_HUB_OFFLINE": "1"}
+        # The Python layers: inside the one-call layer stack attention cannot be wrapped.
+        env = {**os.environ, "SOUS_ATTENTION": impl, "HF_HUB_OFFLINE": "1",
+               "SOUS_FUSED_LAYERS": "0"}
         proc = subprocess.run(
             [str(REPO / ".venv/bin/python"), "attn_profile.py", "--prompts", "16",
              "--max-tokens", str(tokens)],

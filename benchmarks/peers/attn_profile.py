@@ -15,6 +15,8 @@ inclusive CPU time, total_cpu_ms the sum of every profiled op's self CPU time an
 attention_share attention_cpu_ms over the profiled run's wall time (sous' C++ matmuls and
 layer ops are not torch ops, so the op total misses most of the step).
 The backend is read from SOUS_ATTENTION when the engine starts, hence one process each.
+`benchmarks/peers.py` runs it with `SOUS_FUSED_LAYERS=0`: attention calls made from inside the
+C++ layer stack (`sous.models.llama_stack`, the default for GGUF weights) cannot be wrapped.
 """
 
 from __future__ import annotations
