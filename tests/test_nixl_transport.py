@@ -123,3 +123,27 @@ def test_ucx_transports_keep_tcp_and_avoid_cma_when_ptrace_is_scoped(tmp_path: P
     assert ucx_transports({"UCX_TLS": "sm,self"}, missing) == "sm,self,tcp"
     assert ucx_transports({"UCX_TLS": "tcp,cma"}, str(scope)) == "tcp,cma"
     assert ucx_transports({"UCX_TLS": "^ib"}, missing) == "^ib"
+
+
+def test_side_channel_answers_both_request_forms() -> None:
+    """`[get_meta_msg, tp_rank]` and vLLM's newer `[get_meta_msg, pp_rank, tp_rank]`; anything
+    else gets an error reply, not silence."""
+    import msgpack
+    import zmq
+
+    layout = KVLayout.of("e", caches(seed=None), BLOCK)
+    port = free_port()
+    server = SideChannelServer("127.0.0.1", port, MODEL, layout, b"agent-bytes")
+    try:
+        for request, key in (([b"get_meta_msg", 0], "compatibility_hash"),
+                             ([b"get_meta_msg", 0, 0], "compatibility_hash"),
+                             ([b"hello"], "error")):
+            sock = zmq.Context.instance().socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send(msgpack.packb(request))
+            assert sock.poll(5000)
+            assert key in msgpack.unpackb(sock.recv())
+            sock.close()
+    finally:
+        server.close()

@@ -1,6 +1,7 @@
 """The NIXL side channel, as vLLM's NixlConnector runs it: the engine whose blocks are read
 (prefill) serves a ZMQ ROUTER on `tcp://VLLM_NIXL_SIDE_CHANNEL_HOST:PORT` (+ data-parallel
-rank); a reader sends msgpack `[b"get_meta_msg", tp_rank]` and gets msgpack
+rank); a reader sends msgpack `[b"get_meta_msg", tp_rank]` (or vLLM's newer
+`[b"get_meta_msg", pp_rank, tp_rank]`) and gets msgpack
 `{"compatibility_hash": str, "agent_metadata_bytes": bytes}`, the latter msgpack of the agent
 metadata (`engine_id`, `agent_metadata`, `kv_caches_base_addr`, `device_id`, `num_blocks`,
 `block_lens`, `kv_cache_layout`, `block_size`, and sous' `num_layers`, `kv_size`, `dtype`).
@@ -88,9 +89,8 @@ class SideChannelServer:
             if not self._sock.poll(100):
                 continue
             identity, *frames = self._sock.recv_multipart()
-            try:
-                msg, _tp_rank = msgpack.unpackb(frames[-1])
-                ok = msg == GET_META_MSG
+            try:  # [msg, tp_rank], or vLLM's newer [msg, pp_rank, tp_rank]
+                ok = msgpack.unpackb(frames[-1])[0] == GET_META_MSG
             except Exception:
                 ok = False
             reply = self._reply if ok else msgpack.packb({"error": "unknown request"})

@@ -110,7 +110,8 @@ class PDWorker:
                     continue
                 del self._handshakes[engine]
                 try:
-                    transport.add_remote(*reversed(future.result()))
+                    layout, agent_metadata = future.result()
+                    transport.add_remote(agent_metadata, layout)
                 except Exception as e:
                     self._fail(spec, f"handshake with tcp://{spec.remote.host}:"
                                      f"{spec.remote.port} failed: {e}")
