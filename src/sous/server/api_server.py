@@ -189,11 +189,6 @@ def run_server(engine_config: Any, server_config: ServerConfig | None = None) ->
     `engine_ready_timeout_s` (VLLM_ENGINE_READY_TIMEOUT_S) raises EngineStartTimeout.
 
     The engine's step loop runs on the main thread and uvicorn on a background thread."""
-    import os as _o
-    import sys as _s
-    if _o.environ.get('SOUS_SWITCH_INTERVAL'):
-        _s.setswitchinterval(float(_o.environ['SOUS_SWITCH_INTERVAL']))
-
     from sous.engine.async_llm import AsyncLLM
     from sous.engine.core import freeze_startup_heap
     from sous.engine.ready import ready_deadline
