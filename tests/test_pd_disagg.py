@@ -263,6 +263,12 @@ def test_decode_leg_finished_before_admission_still_releases_the_prefill() -> No
     assert sched.request_finished(request2, [10, 11, 12]) == (True, None)
     sched.update_connector_output({"req-d2"})
     assert sched.request_finished(request2, [10, 11, 12]) == (False, None)
+    # A prefill that sent fewer blocks than the prompt needs: no read, the request recomputes.
+    request3 = Request("req-d3", list(range(40)), SamplingParams(), frozenset(), 8,
+                       kv_transfer_params={**params, "remote_block_ids": [[5, 6]]})
+    sched.update_state_after_alloc(request3, [20, 21, 22], 40)
+    (spec,) = sched.build_connector_meta().recvs
+    assert spec.local_block_ids == [20, 21, 22] and "sent 2 blocks" in spec.fail_reason
 
 
 def test_recipe_multi_connector_nixl_and_lmcache(tmp_path: Path) -> None:

@@ -67,8 +67,9 @@ class RecvSpec:
     remote_block_ids: list[int]
     num_valid_on_failure: int
     """Leading tokens whose KV is valid without the read (the local prefix-cache hit)."""
-    expired: bool = False
-    """The prefill's lease ended before the read could start: fail it without reading."""
+    fail_reason: str = ""
+    """Why the read must not happen (its lease ended, the block lists do not match): the
+    worker fails it at once and the request recomputes; empty: read."""
 
     @property
     def notif(self) -> bytes:

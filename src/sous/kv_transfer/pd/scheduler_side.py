@@ -92,16 +92,16 @@ class PDScheduler:
         first = num_hit // self.block_size
         num_blocks = cdiv(request.num_prompt_tokens, self.block_size)
         remote_ids = list(remote.block_ids[first:num_blocks])
-        local_ids = block_ids[first:first + len(remote_ids)]
-        expired = (remote.expiry_time is not None
-                   and time.time() > remote.expiry_time - EXPIRY_MARGIN_S)
-        if len(remote.block_ids) < num_blocks:
-            logger.warning("Request %s: the prefill sent %d blocks for a %d-token prompt; "
-                           "recomputing it here", request.request_id, len(remote.block_ids),
-                           request.num_prompt_tokens)
-            local_ids, remote_ids = [], []
+        local_ids = block_ids[first:num_blocks]
+        reason = ""
+        if len(remote_ids) < len(local_ids):
+            reason = (f"the prefill sent {len(remote.block_ids)} blocks for a "
+                      f"{request.num_prompt_tokens}-token prompt")
+        elif (remote.expiry_time is not None
+              and time.time() > remote.expiry_time - EXPIRY_MARGIN_S):
+            reason = "its prefill's lease ended before the read"
         self._recvs.append(RecvSpec(request.request_id, remote, local_ids, remote_ids,
-                                    num_hit, expired))
+                                    num_hit, reason))
         self.inflight.add(request.request_id)
 
     def _warn_if_invalid(self, request: Request) -> None:

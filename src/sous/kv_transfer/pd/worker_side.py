@@ -93,8 +93,8 @@ class PDWorker:
         assert transport is not None
         still: list[RecvSpec] = []
         for spec in self._waiting:
-            if spec.expired:
-                self._fail(spec, "its prefill's lease ended before the read", forget=False)
+            if spec.fail_reason:
+                self._fail(spec, spec.fail_reason, forget=False)
                 continue
             engine = spec.remote.engine_id
             if not transport.has_remote(engine):
