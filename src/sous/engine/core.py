@@ -44,7 +44,7 @@ from sous.engine.validation import (
     resolve_max_tokens,
 )
 from sous.engine.worker import ModelInfo
-from sous.kv_transfer.base import KVConnectorRole
+from sous.kv_transfer.base import KVConnectorRole, add_counts
 from sous.kv_transfer.events import KVEventsConfig, ZmqEventPublisher
 from sous.kv_transfer.factory import check_placement, make_connector
 from sous.models.loader import LoadedModel
@@ -298,8 +298,7 @@ class EngineCore:
             return []
         connector.update_connector_output(runner_out.finished_sending,
                                           runner_out.finished_recving)
-        for name, value in runner_out.kv_connector_stats.items():
-            sched.kv_connector_stats[name] = sched.kv_connector_stats.get(name, 0) + value
+        add_counts(sched.kv_connector_stats, runner_out.kv_connector_stats)
         for rid in runner_out.finished_sending:
             sched.free_delayed(rid)
         errors = {rid: n for rid, n in runner_out.kv_load_errors.items()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from sous.engine.kv_cache.sub_block import KVCacheCopyOp
 from sous.engine.outputs import Logprob
 from sous.engine.sampling_params import SamplingParams
+from sous.kv_transfer.base import add_counts
 
 if TYPE_CHECKING:
     from sous.engine.structured_output.bitmask import GrammarOutput
@@ -122,5 +123,4 @@ class ModelRunnerOutput:
         self.kv_load_errors.update(other.kv_load_errors)
         self.finished_sending |= other.finished_sending
         self.finished_recving |= other.finished_recving
-        for name, value in other.kv_connector_stats.items():
-            self.kv_connector_stats[name] = self.kv_connector_stats.get(name, 0) + value
+        add_counts(self.kv_connector_stats, other.kv_connector_stats)

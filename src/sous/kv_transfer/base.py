@@ -47,6 +47,12 @@ def cache_planes(cache: torch.Tensor) -> tuple[int, int]:
     return 1, cache.shape[0] * cache.shape[1]
 
 
+def add_counts(total: dict[str, float], more: dict[str, float]) -> None:
+    """Add the counters `more` into `total` (connector stats, `get_kv_connector_stats`)."""
+    for name, value in more.items():
+        total[name] = total.get(name, 0) + value
+
+
 class KVConnectorRole(enum.Enum):
     SCHEDULER = "scheduler"
     WORKER = "worker"

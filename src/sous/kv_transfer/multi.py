@@ -18,6 +18,7 @@ from sous.kv_transfer.base import (
     KVConnectorContext,
     KVConnectorMetadata,
     KVConnectorRole,
+    add_counts,
 )
 from sous.kv_transfer.config import KVTransferConfig
 
@@ -149,8 +150,7 @@ class MultiConnector(KVConnectorBase):
     def get_kv_connector_stats(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for c in self.children:
-            for name, value in c.get_kv_connector_stats().items():
-                out[name] = out.get(name, 0) + value
+            add_counts(out, c.get_kv_connector_stats())
         return out
 
     def shutdown(self) -> None:

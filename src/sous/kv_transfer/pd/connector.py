@@ -12,7 +12,6 @@ request's `kv_transfer_params` say which leg it is. `kv_buffer_device` `cpu`, `c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,9 +97,6 @@ class NixlConnector(KVConnectorBase):
     def start_load_kv(self) -> None:
         assert isinstance(self._metadata, NixlConnectorMetadata)
         self._work().start_load_kv(self._metadata)
-
-    def wait_for_save(self, skip_req_ids: Iterable[str] = ()) -> None:
-        return None
 
     def get_load_errors(self) -> dict[str, int]:
         return self._work().get_load_errors()

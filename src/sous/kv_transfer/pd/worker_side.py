@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from sous.config.errors import ConfigError
+from sous.kv_transfer.base import add_counts
 from sous.kv_transfer.pd.nixl_transport import KVLayout, NixlTransport
 from sous.kv_transfer.pd.params import NixlConnectorMetadata, RecvSpec
 from sous.kv_transfer.pd.side_channel import SideChannelServer, fetch_metadata
@@ -198,10 +199,8 @@ class PDWorker:
         return self._poll_leases(), recving
 
     def _count(self, num_bytes: int, seconds: float) -> None:
-        stats = self._stats
-        for name, value in (("kv_transfer_bytes", num_bytes), ("kv_transfer_seconds", seconds),
-                            ("kv_transfers", 1)):
-            stats[name] = stats.get(name, 0) + value
+        add_counts(self._stats, {"kv_transfer_bytes": num_bytes,
+                                 "kv_transfer_seconds": seconds, "kv_transfers": 1})
 
     def get_kv_connector_stats(self) -> dict[str, float]:
         """`kv_transfer_bytes`, `kv_transfer_seconds` (start to seen done) and `kv_transfers`
