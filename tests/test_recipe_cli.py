@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
 
 from sous import cli as top_cli
+from sous.recipes.catalog import list_recipes, shipped_names
 from sous.recipes.cli import main
 from test_recipe_compose import toy_recipe
+
+# (name, strategy, target, variant) of every option of every shipped recipe.
+SHIPPED_OPTIONS = [(lr.name, s.slug, o.target, s.variant or lr.recipe.variant)
+                   for lr in list_recipes() for s in lr.recipe.strategies for o in s.options]
 
 
 def run(capsys, *argv):
@@ -28,8 +35,9 @@ def toy_path(tmp_path):
 def test_list(capsys):
     code, out, _ = run(capsys, "list")
     assert code == 0
-    header, row = out.splitlines()[:2]
+    header, *rows = out.splitlines()
     assert header.split()[:5] == ["NAME", "MODEL", "BADGES", "CONTEXT", "STRATEGIES"]
+    (row,) = [r for r in rows if r.split()[0] == "minimax-m2.7"]
     for fact in ("minimax-m2.7", "MiniMaxAI/MiniMax-M2.7", "MoE", "230B", "204,800",
                  "aggregated-data-expert-parallel", "aggregated-pipeline-parallel",
                  "prefill-decode-disaggregated"):
@@ -37,6 +45,30 @@ def test_list(capsys):
     code, out, _ = run(capsys, "list", "--format", "json")
     (entry,) = [e for e in json.loads(out) if e["name"] == "minimax-m2.7"]
     assert entry["context"] == 204800 and "vllm-rbln" in entry["badges"]
+
+
+def test_list_shows_every_shipped_recipe():
+    """`python -m sous.cli recipe list`: one row per shipped recipe, A.X-K2 and MiniMax-M2.7
+    among them, as installed (package data)."""
+    out = subprocess.run([sys.executable, "-m", "sous.cli", "recipe", "list"], check=True,
+                         capture_output=True, text=True).stdout
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert list(rows) == shipped_names()
+    assert {"ax-k2", "minimax-m2.7"} <= set(rows)
+    for fact in ("skt/A.X-K2", "MoE", "688B", "262,144", "aggregated-data-expert-parallel",
+                 "aggregated-pipeline-parallel", "prefill-decode-disaggregated"):
+        assert fact in rows["ax-k2"]
+    assert "MiniMaxAI/MiniMax-M2.7" in rows["minimax-m2.7"]
+
+
+def test_list_json_every_shipped_recipe(capsys):
+    code, out, _ = run(capsys, "list", "--format", "json")
+    entries = {e["name"]: e for e in json.loads(out)}
+    assert code == 0 and list(entries) == shipped_names()
+    ax = entries["ax-k2"]
+    assert ax["model"] == "skt/A.X-K2" and ax["context"] == 262144 and "688B" in ax["badges"]
+    assert ax["strategies"] == ["aggregated-data-expert-parallel", "aggregated-pipeline-parallel",
+                                "prefill-decode-disaggregated"]
 
 
 def test_show_en(capsys):
@@ -65,6 +97,49 @@ def test_show_ko(capsys):
     assert "Data + Expert Parallel은 dense 경로를" in out
     assert "Mixture-of-Experts LLM served" not in out
     assert "verified 2026-10-07" in out
+
+
+def test_show_axk2(capsys):
+    code, out, _ = run(capsys, "show", "ax-k2")
+    assert code == 0
+    assert out.startswith("A.X-K2 (skt/A.X-K2) - recipe ax-k2\n")
+    assert "Mixture-of-Experts LLM served on RBLN-CR13 with RBLN vLLM (NVFP4)" in out
+    assert "variant: NVFP4 (published variants: FP8, NVFP4)" in out
+    assert "context: 262,144 tokens" in out
+    assert "Latency     8 NPUs  RBLN-CR13  verified 2026-10-07" in out
+    assert "Throughput  8 NPUs  RBLN-CR13  verified 2026-10-07" in out
+    assert "spec_decode - Speculative Decoding: off* (Off), eagle3 (EAGLE-3)\n" in out
+    assert "roles: prefill (1 ranks), decode (8 ranks); router after the servers" in out
+    code, out, _ = run(capsys, "show", "ax-k2", "--lang", "ko")
+    assert code == 0 and "RBLN-CR13에서 RBLN vLLM으로 서빙(NVFP4)" in out
+    assert "Data + Expert Parallel은 dense 경로를" in out
+
+
+@pytest.mark.parametrize("name, slug, target, variant", SHIPPED_OPTIONS,
+                         ids=["-".join(o[:3]) for o in SHIPPED_OPTIONS])
+def test_plan_and_check_every_shipped_option(capsys, name, slug, target, variant):
+    """`plan` in every format and `check` in both, for the recommended selection of every
+    option of every shipped recipe; `check` exits 1 only when a process does not fit."""
+    sel = ["--strategy", slug, "--target", target, "--recommended"]
+    code, shell, _ = run(capsys, "plan", name, *sel)
+    assert code == 0 and shell.startswith(f"# {name}: {slug} ({target})\n")
+    code, out, _ = run(capsys, "plan", name, *sel, "--format", "json")
+    doc = json.loads(out)
+    assert code == 0 and (doc["recipe"], doc["strategy"], doc["target"]) == (name, slug, target)
+    assert shell.count(f"\n{doc['processes'][0]['launcher']} {doc['model']} \\\n") == \
+        len(doc["processes"])
+    code, out, _ = run(capsys, "plan", name, *sel, "--format", "k8s")
+    items = yaml.safe_load(out)["items"]
+    containers = [c for i in items if i["kind"] == "Deployment"
+                  for c in i["spec"]["template"]["spec"]["containers"]]
+    assert code == 0 and len(containers) == len(doc["processes"])
+    code, out, _ = run(capsys, "check", name, *sel, "--format", "json")
+    rows = json.loads(out)
+    assert rows and code == (1 if any(r["verdict"] == "does not fit" for r in rows) else 0)
+    assert {r["inputs"]["weight_format"] for r in rows} == {variant}
+    code, text, _ = run(capsys, "check", name, *sel)
+    assert text.startswith(f"{name}: {slug} ({target}), memory fit per rank\n")
+    assert text.count("  verdict ") == len(rows)
 
 
 def test_show_synthetic_with_excluded(capsys, toy_path):
@@ -124,7 +199,12 @@ def test_plan_k8s(capsys):
       "spec_decode=mtp"], ["unknown value for spec_decode 'mtp'", "off, eagle3, suffix"]),
     (["plan", "minimax-m2.7", "--strategy", "prefill-decode-disaggregated", "--target",
       "Latency", "--var", "HOST=1"], ["unknown placeholder 'HOST'", "EPP_HOST, POD_IP"]),
-    (["plan", "no-such", "--strategy", "x"], ["unknown recipe 'no-such'", "minimax-m2.7"]),
+    (["plan", "no-such", "--strategy", "x"],
+     ["unknown recipe 'no-such'", "ax-k2", "minimax-m2.7"]),
+    (["plan", "ax-k2", "--strategy", "aggregated-data-expert-parallel", "--target",
+      "Throughput"], ["unknown target 'Throughput'", "valid: Latency"]),
+    (["plan", "ax-k2", "--strategy", "prefill-decode-disaggregated", "--set",
+      "spec_decode=suffix"], ["unknown value for spec_decode 'suffix'", "off, eagle3"]),
     (["show", "minimax-m2.7", "--lang", "fr"], ["no page text in 'fr'", "en, ko"]),
     (["check", "minimax-m2.7"], ["missing --strategy"]),
     (["check"], ["--model"]),

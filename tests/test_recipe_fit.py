@@ -125,6 +125,30 @@ def test_check_plan_reads_the_recipe_flags():
     assert over[1].report.inputs.device.memory_bytes == 96 * GIB
 
 
+def test_check_plan_reads_the_axk2_flags():
+    """A.X-K2's P/D recommended selection: the NVFP4 checkpoint suffix gives the weight format,
+    no --kv-cache-dtype means the model's bf16 cache, the MLA cache is 61 x 1408 B per token
+    (8 layers per stage under PP8)."""
+    lr = load_recipe("ax-k2")
+    plan = compose(lr.recipe, "prefill-decode-disaggregated", recommended=True)
+    prefill, decode = check_plan(plan)
+    assert prefill.labels == ("prefill rank 0",) and decode.labels == ("decode ranks 0-7",)
+    for row in (prefill, decode):
+        inp = row.report.inputs
+        assert inp.arch is AXK2 and inp.weight_format == "NVFP4"
+        assert inp.kv_cache_dtype == "auto" and inp.block_size == 2048
+        assert inp.max_model_len == 262144 and inp.lookahead_tokens == 3
+        assert row.report.replication == 4
+    assert prefill.report.inputs.pipeline_parallel_size == 8
+    assert prefill.report.inputs.gpu_memory_utilization == 0.85  # the lmcache=rds delta
+    assert prefill.report.inputs.max_num_seqs == 8
+    assert prefill.report.kv_bytes_per_token == 8 * 1408
+    assert decode.report.inputs.data_parallel_size == 8
+    assert decode.report.inputs.max_num_seqs == 1
+    assert decode.report.kv_bytes_per_token == 85_888
+    assert decode.report.blocks_per_seq == 129  # 262144 + 3 speculative tokens
+
+
 def test_check_model_without_recipe():
     row = check_model("skt/A.X-K2", CheckOverrides(block_size=2048, max_model_len=262144))
     assert row.report.kv_bytes == 22_690_922_496

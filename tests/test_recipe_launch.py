@@ -1,12 +1,19 @@
 """`sous recipe launch`: unsupported flags stop it (listed), --drop-unsupported says what it
-drops, ports are remapped consistently, and an aggregated strategy comes up for real with the
-bundled stand-in and answers a chat request."""
+drops, ports are remapped consistently, an aggregated strategy comes up for real with the
+bundled stand-in and answers a chat request, and every P/D selection comes up with its router
+and answers through it."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+from openai import OpenAI
 
 from sous.recipes.catalog import load_recipe
 from sous.recipes.cli import main
@@ -49,10 +56,18 @@ def test_pd_launch_remaps_ports_consistently(tmp_path):
     ports = _ports()
     specs, blocking = build_launch(plan, None, tmp_path, ports, drop_unsupported=True)
     assert blocking == {}
-    assert [s.label for s in specs] == ["prefill rank 0", *(f"decode rank {i}" for i in range(4))]
-    prefill, d0 = specs[0], specs[1]
+    assert [s.label for s in specs] == ["prefill rank 0", *(f"decode rank {i}" for i in range(4)),
+                                        "router"]
+    prefill, d0, router = specs[0], specs[1], specs[-1]
     assert prefill.port == ports.mapping[8000] and d0.port == ports.mapping[8200]
-    assert len({s.port for s in specs}) == 5
+    assert len({s.port for s in specs}) == 6
+    # The router runs the recipe's router-values.yaml as written, over every rank by role.
+    assert router.entry and router.command[1:4] == ("-m", "sous.cli", "route")
+    config = router.command[router.command.index("--config") + 1]
+    assert "prefix-based-pd-decider" in Path(config).read_text()
+    endpoints = [router.command[i + 1] for i, w in enumerate(router.command) if w == "--endpoint"]
+    assert endpoints == [f"prefill=http://127.0.0.1:{prefill.port}",
+                         *(f"decode=http://127.0.0.1:{s.port}" for s in specs[1:5])]
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(ports.mapping[5559])
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     assert prefill.log == tmp_path / "prefill-rank-0.log"
@@ -74,7 +89,7 @@ def test_remapped_ports_inside_json_values(tmp_path):
     ports = _ports()
     specs, blocking = build_launch(plan, "/models/tiny", tmp_path, ports,
                                    drop_unsupported=False, stand_in_len=2048)
-    assert set(blocking) == {s.label for s in specs}  # every process has unsupported flags
+    assert set(blocking) == {s.label for s in specs[:-1]}  # every server has unsupported flags
     cmd = list(specs[1].command)
     assert cmd[4] == "/models/tiny"
     assert cmd[cmd.index("--max-model-len") + 1] == "2048"
@@ -94,3 +109,51 @@ def test_aggregated_comes_up_and_answers(capsys, tmp_path: Path):
     assert "chat reply: " in err and "all processes stopped" in err
     log = (tmp_path / "main.log").read_text()
     assert "Uvicorn running on http://127.0.0.1:" in log or "Application startup" in log
+
+
+def _pd_selections() -> list[tuple[str, str, str]]:
+    from sous.recipes.catalog import list_recipes
+
+    return [(lr.name, s.slug, o.target) for lr in list_recipes()
+            for s in lr.recipe.strategies if "prefill" in s.slug and "decode" in s.slug
+            for o in s.options]
+
+
+@pytest.mark.parametrize("name, strategy, target", _pd_selections())
+def test_pd_launch_runs_the_router_and_answers_a_tool_chat(name: str, strategy: str,
+                                                           target: str, tmp_path: Path):
+    """The whole P/D topology (prefill and decode ranks, then `sous route` with the recipe's
+    router-values.yaml) comes up, answers a chat with tools through the router, and stops
+    cleanly on Ctrl-C."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sous.cli", "recipe", "launch", name, "--strategy", strategy,
+         "--target", target, "--drop-unsupported", "--no-probe", "--log-dir", str(tmp_path)],
+        stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        url = None
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("talk to the router: "):
+                url = line.split(": ", 1)[1].strip()
+                break
+        assert url, "".join(lines)
+        client = OpenAI(base_url=url, api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}]
+        reply = client.chat.completions.create(
+            model=model, max_tokens=24, temperature=0, tools=tools,
+            messages=[{"role": "user", "content": "What is the weather in Seoul?"}])
+        assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        message = reply.choices[0].message
+        assert message.content or message.tool_calls or getattr(message, "reasoning", None)
+        routed = (tmp_path / "router-values.yaml").read_text()
+        assert "prefix-based-pd-decider" in routed  # the recipe's file, as written
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "all processes stopped" in rest

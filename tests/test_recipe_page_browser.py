@@ -1,7 +1,8 @@
 """The recipe page in real headless Chromium (Debian `chromium` + `chromium-driver`): click the
 controls, and every displayed command equals what `sous recipe plan --format shell` prints for
 the same selection; excluded selections cannot be chosen; the language switch changes the copy;
-the static output (file://) shows the same. One browser serves every test of the module."""
+the static output (file://) shows the same; the recipe picker switches between the shipped
+recipes. One browser serves every test of the module."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
-from sous.recipes.catalog import list_recipes, load_recipe, load_recipe_file
+from sous.recipes.catalog import list_recipes, load_recipe, load_recipe_file, shipped_names
 from sous.recipes.page import plain
 from sous.recipes.web.server import make_server, write_static
 from test_recipe_page import EXCLUDED, excluded_recipe
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SHIPPED, EXCL = "minimax-m2.7", "minimax-m2.7-excl"
+AT_SHIPPED = f"#recipe={SHIPPED}"  # the page opens on the first shipped recipe otherwise
 SOUS = str(Path(sys.executable).with_name("sous"))
 ROUTER_HEAD = "# router (after the servers are up)\n"
 ARTIFACTS = Path(os.environ.get("SOUS_TEST_ARTIFACTS",
@@ -153,6 +156,8 @@ def assert_shows_plan(page: dict[str, list], expected: str) -> None:
 def test_clicked_selections_show_plan_output(driver, site):
     server = site[0]
     load(driver, server)
+    assert hash_params(driver)["recipe"] == shipped_names()[0]
+    load(driver, server + AT_SHIPPED)
     assert hash_params(driver)["recipe"] == SHIPPED
     for slug, target, sel in SELECTIONS:
         choose(driver, slug, target, sel)
@@ -166,7 +171,7 @@ def test_clicked_selections_show_plan_output(driver, site):
 def test_link_keeps_selection_and_static_output_matches(driver, site):
     server, static, _ = site
     slug, target, sel = SELECTIONS[4]
-    load(driver, server)
+    load(driver, server + AT_SHIPPED)
     choose(driver, slug, target, sel)
     fragment = driver.execute_script("return location.hash")
     served = shown(driver)
@@ -178,7 +183,7 @@ def test_link_keeps_selection_and_static_output_matches(driver, site):
             assert driver.find_element(By.ID, f"opt-{axis}-{sel[axis]}").is_selected()
         assert not driver.find_element(By.ID, "opt-tool_calling").is_selected()
     assert_shows_plan(served, plan_output(SHIPPED, slug, target, sel))
-    load(driver, static)  # the static page: the default selection, the recommended one
+    load(driver, static + AT_SHIPPED)  # the static page: the default selection, recommended
     assert driver.find_element(By.ID, "recommended-btn").get_attribute("aria-pressed") == "true"
     slug, target, sel = SELECTIONS[0]
     choose(driver, slug, target, sel)
@@ -187,7 +192,8 @@ def test_link_keeps_selection_and_static_output_matches(driver, site):
 
 def test_recommended_button_and_fit(driver, site):
     server = site[0]
-    load(driver, server + "#strategy=prefill-decode-disaggregated&target=Latency&lmcache=off")
+    load(driver, server + AT_SHIPPED + "&strategy=prefill-decode-disaggregated&target=Latency"
+         "&lmcache=off")
     button = driver.find_element(By.ID, "recommended-btn")
     assert button.get_attribute("aria-pressed") == "false"
     button.click()
@@ -243,7 +249,7 @@ def test_excluded_selection_cannot_be_chosen(driver, site):
 
 def test_language_switch(driver, site):
     server = site[0]
-    load(driver, server)
+    load(driver, server + AT_SHIPPED)
     recipe = load_recipe(SHIPPED).recipe
     assert driver.find_element(By.CSS_SELECTOR, "#model .sub").text == plain(recipe.text["en"].sub)
     assert driver.find_element(By.ID, "options-title").text == "Options"
@@ -267,7 +273,7 @@ def test_language_switch(driver, site):
 
 def test_keyboard_labels_and_narrow_screen(driver, site):
     server = site[0]
-    load(driver, server + "#strategy=aggregated-data-expert-parallel&target=Latency")
+    load(driver, server + AT_SHIPPED + "&strategy=aggregated-data-expert-parallel&target=Latency")
     tab = driver.find_element(By.ID, "tab-aggregated-data-expert-parallel")
     tab.send_keys(Keys.ARROW_RIGHT)
     active = driver.switch_to.active_element
@@ -308,8 +314,43 @@ def test_keyboard_labels_and_narrow_screen(driver, site):
 
 def test_screenshot_artefact(driver, site):
     server = site[0]
-    load(driver, server + "#strategy=prefill-decode-disaggregated&target=Latency")
+    load(driver, server + AT_SHIPPED + "&strategy=prefill-decode-disaggregated&target=Latency")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / "recipe-page.png"
     assert driver.save_screenshot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_recipe_picker_shows_axk2(driver, site):
+    """The picker lists every shipped recipe; picking A.X-K2 shows its page, and its commands
+    and fit are what `sous recipe plan` / `check` give (one-target strategies, 8 decode ranks)."""
+    server = site[0]
+    load(driver, server + AT_SHIPPED)
+    picker = Select(driver.find_element(By.ID, "recipe-select"))
+    names = [o.get_attribute("value") for o in picker.options]
+    assert names == [*shipped_names(), EXCL]
+    picker.select_by_value("ax-k2")
+    assert hash_params(driver)["recipe"] == "ax-k2"
+    assert driver.find_element(By.ID, "model-name").text == "A.X-K2"
+    rec = dict(lmcache="rds", prefix_caching="on_sub_block", spec_decode="eagle3",
+               reasoning_parser="on", tool_calling="on")
+    assert {k: hash_params(driver)[k] for k in rec} == rec  # the recommended selection
+    for slug, target, sel in [
+            ("prefill-decode-disaggregated", "Latency", rec),
+            ("aggregated-pipeline-parallel", "Throughput",
+             dict(lmcache="cpu", prefix_caching="on", spec_decode="eagle3",
+                  reasoning_parser="off", tool_calling="off"))]:
+        choose(driver, slug, target, sel)
+        page = shown(driver)
+        assert_shows_plan(page, plan_output("ax-k2", slug, target, sel))
+    choose(driver, "prefill-decode-disaggregated", "Latency", rec)
+    assert [label for label, _ in shown(driver)["process"]] == [
+        "prefill rank 0", *(f"decode rank {i}" for i in range(8))]
+    cards = driver.find_elements(By.CSS_SELECTOR, ".fit-card h4")
+    assert [c.text for c in cards] == ["prefill rank 0", "decode ranks 0-7"]
+    driver.set_window_size(360, 1600)
+    try:
+        assert driver.execute_script(
+            "return document.documentElement.scrollWidth - window.innerWidth") <= 0
+    finally:
+        driver.set_window_size(1280, 1600)

@@ -1,11 +1,13 @@
-"""The recipe schema: the shipped file validates, broken files name the path of the problem."""
+"""The recipe schema: the shipped files validate, broken files name the path of the problem."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from sous.recipes.archs import find_arch
 from sous.recipes.catalog import (
     RecipeNotFound,
     catalog_dir,
@@ -35,6 +37,47 @@ def test_shipped_recipes_are_package_data_and_valid():
     assert pd.option("Latency").grid.roles == ("prefill", "decode")
     assert len(pd.option("Latency").grid.base[1].ranks) == 4
     assert r.badge_texts()[3] == "vllm-rbln"
+
+
+def test_axk2_is_shipped():
+    lr = load_recipe("ax-k2")
+    r = lr.recipe
+    assert lr.path == catalog_dir() / "ax-k2.json"
+    assert r.name == "A.X-K2" and r.model == "skt/A.X-K2" and r.provider == "skt"
+    assert r.variant == "NVFP4" and r.variants == ("FP8", "NVFP4")
+    assert [s.slug for s in r.strategies] == [
+        "aggregated-data-expert-parallel", "aggregated-pipeline-parallel",
+        "prefill-decode-disaggregated"]
+    assert [[o.target for o in s.options] for s in r.strategies] == [
+        ["Latency"], ["Throughput"], ["Latency"]]
+    pd = r.strategy("prefill-decode-disaggregated")
+    assert pd.nodes == 2 and pd.variant == "NVFP4"
+    grid = pd.option("Latency").grid
+    assert grid.model == "skt/A.X-K2-NVFP4" and grid.roles == ("prefill", "decode")
+    assert [len(b.ranks) for b in grid.base] == [1, 8]
+    assert grid.modes["spec_decode"] == ("off", "eagle3")
+
+
+@pytest.mark.parametrize("name", shipped_names())
+def test_every_shipped_recipe(name):
+    """Each shipped recipe: a lower-case file stem, the same model family in every grid with
+    architecture numbers for the fit check, and a checkpoint suffix (`-NVFP4`) that agrees
+    with the variant its strategy is for."""
+    assert re.fullmatch(r"[a-z0-9][a-z0-9.-]*", name)
+    r = load_recipe(name).recipe
+    arch, _ = find_arch(r.model)
+    for s in r.strategies:
+        for o in s.options:
+            found, fmt = find_arch(o.grid.model)
+            assert found == arch
+            assert fmt in (None, s.variant or r.variant)
+    assert r.variants is None or r.variant in r.variants
+
+
+def test_variants_are_strings():
+    data = shipped_data()
+    data["variants"] = [{"name": "FP8"}]
+    assert "variants[0]" in _errors(data)
 
 
 def test_load_by_stem_or_path(tmp_path):

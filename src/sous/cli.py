@@ -20,6 +20,8 @@ __all__ = ["main"]
 _SUBCOMMANDS = {
     "serve": "OpenAI-compatible server (vLLM flags); `sous serve --help` lists them.",
     "bench": "`sous bench serve`: load generator against any OpenAI-compatible server.",
+    "route": "llm-d router over sous/vLLM servers (prefix-aware, P/D): "
+             "`sous route --config router-values.yaml --endpoint ROLE=URL ...`.",
     "recipe": "Read, plan, check and launch vendor deployment recipes, and browse them: "
               "`sous recipe list|show|plan|check|launch|page`.",
 }
@@ -103,9 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return recipe_main(rest)
     if command == "route":
-        print("sous route: not built yet (the llm-d router is planned); run one `sous serve` "
-              "per endpoint meanwhile", file=sys.stderr)
-        return 2
+        from sous.router.server import main as route_main
+
+        return route_main(rest)
     parser = _top_parser()
     parser.parse_args(args)  # --help, --version and errors exit here
     parser.print_help(sys.stderr)

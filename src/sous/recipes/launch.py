@@ -13,13 +13,16 @@ own maximum), and the summary says so.
 
 Flags `sous serve` does not support yet (its `NOT_SUPPORTED_YET` table) or does not know
 stop the launch with a list of them, per process (exit 2); `--drop-unsupported` removes
-them instead and prints each dropped flag. Router steps are not run (`sous route` is not
-available yet) — the summary says so. Each process logs to `<log-dir>/<role>[-rank-N].log`.
-After every server answers `/health`, one chat request goes to each (unless `--no-probe`);
-then the processes run until Ctrl-C, `--duration` seconds, or one of them exits.
+them instead and prints each dropped flag. A router step (the recipe's `router-values.yaml`
+heredoc for the llm-d router, then `helm install`) runs as `sous route` with that file as
+written, over every server with its role (`prefill`, `decode`) on a free port; it is the
+endpoint to talk to. Each process logs to `<log-dir>/<role>[-rank-N].log`. After every
+process answers `/health`, one chat request goes to each (unless `--no-probe`; the router's
+goes through the whole topology); then the processes run until Ctrl-C, `--duration` seconds,
+or one of them exits (then the others are stopped and the exit is reported).
 
 Public API: `add_launch_parser`, `run_launch`, `LaunchSpec`, `build_launch`,
-`kv_cache_share_gib`, `unsupported_flags`, `PortMap`.
+`kv_cache_share_gib`, `unsupported_flags`, `PortMap`, `router_values`.
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ from sous.recipes.compose import Arg, EnvVar, Plan, Process
 from sous.recipes.schema import RecipeError
 
 __all__ = ["LaunchSpec", "PortMap", "add_launch_parser", "build_launch", "kv_cache_share_gib",
-           "run_launch", "unsupported_flags"]
+           "router_values", "run_launch", "unsupported_flags"]
 
 _PORT_FLAGS = ("--port", "--data-parallel-rpc-port")
 _URL_PORT = re.compile(r"(tcp://[^\s:/\"']+:)(\d+)")
 _TOPIC_PORT = re.compile(r"(kv@[^\s:@\"']+:)(\d+)(@)")
 _MODEL_FLAGS = ("--max-model-len",)
+_CHECKPOINT_FLAGS = ("--revision", "--code-revision", "--tokenizer-revision")
+"""Pin the recipe's checkpoint on the Hub; the stand-in is a local model: dropped."""
 
 
 def add_launch_parser(sub: Any, selection_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -143,11 +148,16 @@ class LaunchSpec:
     log: Path
     dropped: tuple[tuple[str, str], ...]
     notes: tuple[str, ...]
+    entry: bool = False
+    """The process clients talk to (the router, when the plan has one)."""
 
 
 def _stand_in_args(process: Process, stand_in_len: int | None) -> tuple[list[Arg], list[str]]:
     args, notes = [], []
     for arg in process.args:
+        if arg.flag in _CHECKPOINT_FLAGS:
+            notes.append(f"{arg.text} pins {process.model}'s checkpoint: removed (stand-in)")
+            continue
         if arg.flag in _MODEL_FLAGS:
             if stand_in_len is None:
                 notes.append(f"{arg.text} is for {process.model}: removed (stand-in's maximum)")
@@ -195,8 +205,9 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
                  ) -> tuple[list[LaunchSpec], dict[str, list[tuple[str, str]]]]:
     """The processes to start, and per process label the unsupported flags that block
     the launch (empty when none, or when they are dropped). Each server gets an equal KV
-    cache share (`kv_share_gib`, default `kv_cache_share_gib(len(processes))`)."""
-    specs, blocking = [], {}
+    cache share (`kv_share_gib`, default `kv_cache_share_gib(len(processes))`). With a
+    router, its config file is written to `log_dir` and `sous route` comes last."""
+    specs, blocking, roles = [], {}, []
     if kv_share_gib is None:
         kv_share_gib = kv_cache_share_gib(len(plan.processes))
     for process in plan.processes:
@@ -222,7 +233,39 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
                                 log=log_dir / f"{name}.log",
                                 dropped=tuple(bad) if drop_unsupported else (),
                                 notes=tuple(notes + kv_notes)))
+        roles.append(process.role)
+    if plan.router:
+        specs.append(_router_spec(plan, list(zip(roles, specs, strict=True)), stand_in, log_dir,
+                                  ports.allocate()))
     return specs, blocking
+
+
+_HEREDOC = re.compile(r"cat\s+>\s*(\S+)\s+<<-?\s*['\"]?(\w+)['\"]?\n(.*?)\n\2\s*$", re.S)
+
+
+def router_values(plan: Plan) -> tuple[str, str]:
+    """(file name, text) of the router config the recipe's router steps write."""
+    for step in plan.router or ():
+        match = _HEREDOC.match(step.cmd.strip())
+        if match:
+            return match.group(1), match.group(3) + "\n"
+    raise RecipeError("router: no `cat > FILE <<EOF` step with the router config; "
+                      "sous route needs it")
+
+
+def _router_spec(plan: Plan, servers: list[tuple[str, LaunchSpec]], stand_in: str | None,
+                 log_dir: Path, port: int) -> LaunchSpec:
+    name, text = router_values(plan)
+    config = log_dir / Path(name).name
+    config.write_text(text, encoding="utf-8")
+    endpoints = [w for role, spec in servers
+                 for w in ("--endpoint", f"{role}=http://127.0.0.1:{spec.port}")]
+    command = (sys.executable, "-m", "sous.cli", "route", "--config", str(config),
+               *endpoints, "--port", str(port), *(["--tokenizer", stand_in] if stand_in else []))
+    note = (f"the recipe's {name} as written ({config}); `helm install` of the llm-d router is "
+            "replaced by sous route over the servers above")
+    return LaunchSpec(label="router", command=command, env={}, port=port,
+                      log=log_dir / "router.log", dropped=(), notes=(note,), entry=True)
 
 
 def _say(text: str) -> None:
@@ -257,8 +300,5 @@ def run_launch(args: argparse.Namespace, plan: Plan) -> int:
             _say(f"WARNING {spec.label}: DROPPED {flag} ({why})")
         for note in spec.notes:
             _say(f"NOTE {spec.label}: {note}")
-    if plan.router:
-        _say("NOTE router: not started (sous route is not available yet); the servers are "
-             "reachable directly.")
     return supervise(specs, duration=args.duration, ready_timeout=args.ready_timeout,
                      probe=not args.no_probe)

@@ -1,7 +1,8 @@
 """What `sous recipe list` and `sous recipe show` print: a recipe page as text.
 
 `list_table`: one row per recipe (name, model, badges, context, strategies). `show_text`:
-the page copy in the chosen language (`text.<lang>`, HTML tags stripped), then every
+the page copy in the chosen language (`text.<lang>`, HTML tags stripped), the facts (provider,
+the variant the commands are for and the published `variants`, ...), then every
 strategy with its targets, NPUs, SKUs, verified date, the offered axes with their allowed
 values (`*` marks the base value) and the recommended selection.
 
@@ -115,7 +116,10 @@ def show_text(lr: LoadedRecipe, lang: str = "en") -> str:
     if copy is not None:
         out += [plain(t) for t in (copy.sub, copy.tag) if t]
     out.append("badges: " + ", ".join(r.badge_texts()))
-    facts = [("provider", r.provider), ("variant", r.variant), ("hf", r.hf),
+    variant = r.variant
+    if r.variants:
+        variant = f"{r.variant or '-'} (published variants: {', '.join(r.variants)})"
+    facts = [("provider", r.provider), ("variant", variant), ("hf", r.hf),
              ("install", r.installLine)]
     out += [f"{k}: {v}" for k, v in facts if v]
     ctx = context_length(r)

@@ -319,7 +319,7 @@ class Recipe(_Open):
     client: str | None = None
     installLine: str | None = None  # noqa: N815 - the file's field name
     variant: str | None = None
-    variants: Any = None
+    variants: tuple[str, ...] | None = None  # the published checkpoint variants
     axes: tuple[Axis, ...] = ()
     text: dict[str, PageText] = Field(default_factory=dict)
     strategies: tuple[Strategy, ...]

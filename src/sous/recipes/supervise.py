@@ -165,7 +165,10 @@ def supervise(specs: Sequence[LaunchSpec], duration: float | None = None,
         if problem:
             _say(f"error: {problem}")
             return 1
-        _say(f"all {len(specs)} server(s) ready in {time.monotonic() - started:.1f} s")
+        _say(f"all {len(specs)} process(es) ready in {time.monotonic() - started:.1f} s")
+        for spec in specs:
+            if spec.entry:
+                _say(f"talk to the {spec.label}: http://127.0.0.1:{spec.port}/v1")
         for spec in specs if probe else ():
             try:
                 _say(f"{spec.label}: chat reply: {probe_chat(spec.port)!r}")

@@ -96,6 +96,17 @@ def _model_card(engine: Any) -> dict:
     }
 
 
+def _cache_info(engine: Any) -> dict[str, str]:
+    """Labels of `vllm:cache_config_info` (vLLM's CacheConfig fields routers read)."""
+    core = getattr(engine, "core", None)
+    cache = getattr(getattr(core, "config", None), "cache", None)
+    if cache is None:
+        return {}
+    return {"block_size": str(cache.block_size), "num_gpu_blocks": str(core.num_blocks),
+            "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching)}
+
+
 def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     engine = ctx.engine
     completions = CompletionServing(ctx)
@@ -145,8 +156,8 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
     """The FastAPI app serving `engine` (an `AsyncLLM` or anything with its interface)."""
     config = server_config or ServerConfig()
     app = FastAPI(title="sous OpenAI-compatible server", version=sous.__version__)
-    ctx = ServingContext(engine=engine, config=config,
-                         metrics=ServerMetrics(engine.served_model_name, engine.max_model_len))
+    metrics = ServerMetrics(engine.served_model_name, engine.max_model_len, _cache_info(engine))
+    ctx = ServingContext(engine=engine, config=config, metrics=metrics)
     app.state.serving = ctx
     _connect_reasoning_to_structured_output(engine, config)
     _install_error_handlers(app)

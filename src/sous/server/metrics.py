@@ -76,8 +76,10 @@ class _Histogram:
 class ServerMetrics:
     """All metrics of one served model."""
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int,
+                 cache_info: dict[str, str] | None = None) -> None:
         self.labels = f'engine="0",model_name="{_escape(model_name)}"'
+        self.cache_info = cache_info or {}
         token_buckets = buckets_1_2_5(max(max_model_len, 1))
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -126,6 +128,10 @@ class ServerMetrics:
                  "KV-cache usage. 1 means 100 percent usage.")):
             head(name, "gauge", text)
             out.append(f"{name}{{{lab}}} {_fmt(stat(field))}")
+        if self.cache_info:  # read by routers (llm-d: block size, index capacity)
+            head("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
+            info = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(self.cache_info.items()))
+            out.append(f"vllm:cache_config_info{{{lab},{info}}} 1.0")
         for name, value, text in (
                 ("vllm:num_preemptions_total", stat("num_preemptions"),
                  "Cumulative number of preemptions from the engine."),
