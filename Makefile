@@ -14,7 +14,7 @@ PEERS_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile $(wildcard src/sous/engine/ops/csrc/*)
+$(STAMP): pyproject.toml Makefile src/sous/engine/ops/build.py $(wildcard src/sous/engine/ops/csrc/*)
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "apt-get install:$$missing"; \

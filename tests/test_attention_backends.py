@@ -58,21 +58,3 @@ def test_cpp_and_torch_paths_agree(arch, kv_cache_dtype, tmp_path, monkeypatch):
     atol = 1e-4 if kv_cache_dtype == "auto" else 2e-3
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=atol, rtol=0)
-
-
-def test_stale_build_lock_is_removed(tmp_path):
-    """A lock left by a killed build would make every later start wait forever."""
-    import os
-    import time
-
-    from sous.engine.ops.build import STALE_LOCK_S, _remove_stale_lock
-
-    lock = tmp_path / "lock"
-    lock.touch()
-    _remove_stale_lock(lock)  # a build in progress keeps its lock
-    assert lock.exists()
-    old = time.time() - STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    _remove_stale_lock(lock)
-    assert not lock.exists()
-    _remove_stale_lock(lock)  # no lock: nothing to do

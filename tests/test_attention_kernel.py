@@ -213,6 +213,32 @@ def test_unbuildable_extension_falls_back_with_one_warning(tmp_path, choice):
         assert f"{ATTENTION_ENV}=cpp" in r.stderr
 
 
+def test_a_killed_build_leaves_nothing_to_wait_for(tmp_path):
+    """cpp_extension's `lock` file, left by a build that was killed, blocked every later start
+    forever (a CI run hung in `make setup`); now the next build removes it and goes on."""
+    (tmp_path / "lock").touch()
+    env = {**os.environ, "CXX": "false", "SOUS_OPS_BUILD_DIR": str(tmp_path), ATTENTION_ENV: "auto"}
+    r = subprocess.run([sys.executable, "-c", FALLBACK_PROBE], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["torch"] * 3
+    assert not (tmp_path / "lock").exists()
+
+
+def test_a_finished_build_loads_without_the_compiler():
+    """The build `make setup` made is imported directly: no compiler, ninja or lock."""
+    from sous.engine.ops.build import build_dir
+
+    if load() is None:
+        pytest.skip("no C++ ops build on this machine")
+    env = {**os.environ, "CXX": "false", "PATH": "/nonexistent", ATTENTION_ENV: "cpp",
+           "SOUS_OPS_BUILD_DIR": str(build_dir())}
+    r = subprocess.run([sys.executable, "-c", FALLBACK_PROBE], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["cpp"] * 3
+
+
 def test_unknown_backend_is_an_error_naming_the_variable(monkeypatch):
     monkeypatch.setenv(ATTENTION_ENV, "flash")
     with pytest.raises(ValueError, match=ATTENTION_ENV):

@@ -51,10 +51,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("w_scale", scale.view(-1).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.qgemm = qgemm_ops(weight_t.device)
-        self.w8_t: torch.Tensor | None = None
         if self.qgemm is not None and self.in_features % GROUP_SIZE == 0:
             self.register_buffer("w_packed", pack_weights((w8.to(torch.int16) + 128).to(
                 torch.uint8), 8))
+            self.register_buffer("w8_t", None)
         else:
             self.qgemm = None
             self.register_buffer("w8_t", w8.t().contiguous())
