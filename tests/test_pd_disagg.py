@@ -30,7 +30,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 
 
 def server_env(side_port: int) -> dict[str, str]:
-    return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port), "VLLM_CPU_KVCACHE_SPACE": "0.25",
+    return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port), "VLLM_CPU_KVCACHE_SPACE": "0.5",
             "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(LEASE_S)}
 
 
