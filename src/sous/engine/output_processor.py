@@ -109,19 +109,22 @@ class OutputProcessor:
 
     def _add_tokens(self, child: _Child, new_tokens: list[int],
                     new_logprobs: list[dict[int, Logprob]] | None) -> bool:
-        """Detokenize `new_tokens`; True when a stop string finished a request the scheduler
-        still runs. A stop string wins over the finish the scheduler already applied for the
+        """Detokenize `new_tokens` (several per step with speculative decoding); True when a
+        stop string finished a request the scheduler still runs. Tokens after the one that
+        completes a stop string are removed from the request. A stop string wins over the finish the scheduler already applied for the
         same token (length cap, EOS, stop token id), as in vLLM: the text is cut there, so
         the finish reason is "stop" with the string as stop_reason."""
-        if child.logprobs is not None and new_logprobs:
-            for token, entry in zip(new_tokens, new_logprobs, strict=False):
-                child.logprobs.append(entry)
-                child.cumulative_logprob += entry[token].logprob
         request = child.request
-        for token in new_tokens:
+        lps = new_logprobs if child.logprobs is not None else None
+        for j, token in enumerate(new_tokens):
+            if lps is not None and j < len(lps):
+                child.logprobs.append(lps[j])  # type: ignore[union-attr]
+                child.cumulative_logprob += lps[j][token].logprob  # type: ignore[operator]
             stop = child.detok.add_token(token)
             if stop is None:
                 continue
+            if extra := len(new_tokens) - j - 1:  # the step's tokens after it are dropped
+                del request.output_token_ids[-extra:], request.all_token_ids[-extra:]
             was_finished = request.is_finished()
             if request.status != RequestStatus.FINISHED_ABORTED:
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -79,6 +79,9 @@ class Request:
     """What the KV connector's `request_finished` returned: the answer's
     `kv_transfer_params` (P/D: where the decode leg reads this prefill's KV)."""
     """What the KV connector returned when the request finished (P/D: the remote blocks)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Drafts for the next step (speculative decoding): the scheduler schedules them after
+    the known tokens, then clears them; they are never part of `all_token_ids`."""
     sub_block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the sub-blocks of `all_token_ids` (sub-block prefix caching only)."""
 

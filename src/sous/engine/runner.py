@@ -13,11 +13,13 @@ on their own are reported in `ModelRunnerOutput.failed`. A device fault (a CUDA 
 context is unusable afterwards) is the engine's, not a request's: it is re-raised.
 
 Seams for the features built on it:
-- `SchedulerOutput.scheduled_spec_decode_tokens`: logits at the last 1 + k positions of such
-  a request (`StepInputs.logits_indices`), verified greedily here until a rejection sampler
-  plugs in;
+- `SchedulerOutput.scheduled_spec_decode_tokens`: logits at the last 1 + n positions of such
+  a request (`StepInputs.logits_indices`), verified by `rejection_sample` (speculative
+  sampling: greedy requests get exactly their argmax run);
 - `aux_hidden_state_layers`: the model also returns those layers' hidden states (EAGLE-3);
-- `proposer`: after sampling, drafts tokens for the next step;
+- `proposer` (`sous.engine.spec_decode.proposer`): after sampling, drafts tokens for the
+  next step (`ModelRunnerOutput.spec_token_ids`); a proposer that raises costs that step's
+  drafts only;
 - `connector`: a KV connector's worker side (`sous.kv_transfer.base`): loads before the
   forward pass (a request whose load comes up short sits the step out, reported in
   `ModelRunnerOutput.kv_load_errors`) and saves after it;
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from sous.engine.attention import AttentionMetadata
@@ -38,17 +41,12 @@ from sous.engine.kv_cache.manager import cdiv
 from sous.engine.outputs import Logprob
 from sous.engine.sampler import sample
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sous.engine.spec_decode.proposer import Proposer
+from sous.engine.spec_decode.rejection_sampler import parse_output, rejection_sample
 from sous.engine.step_inputs import StepInputs, build_step_inputs
 from sous.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
-
-
-class Proposer(Protocol):
-    """Drafts speculative tokens after a step (n-gram, suffix, EAGLE, MTP plug in here)."""
-
-    def propose(self, runner: ModelRunner, sampled: dict[str, list[int]]
-                ) -> dict[str, list[int]]: ...
 
 
 class KVLayerHooks(Protocol):
@@ -83,6 +81,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = sorted(eos_token_ids)
         self.copy_slots = model.kv_cache_spec().copy_slots
+        self.max_spec_tokens = max_spec_tokens
         row_len = max_model_len + max_spec_tokens
         self.input_batch = InputBatch(max_num_reqs, row_len, cdiv(row_len, block_size))
         self.requests: dict[str, CachedRequestState] = {}
@@ -102,6 +101,8 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             batch.remove(rid)
+        if so.finished_req_ids and self.proposer is not None:
+            self.proposer.finish(so.finished_req_ids)
         for rid in so.preempted_req_ids:
             batch.remove(rid)
         for new in so.scheduled_new_reqs:
@@ -182,7 +183,7 @@ class ModelRunner:
                  if (s := self.requests[r]).generator is not None}
         try:
             result.merge(self._execute(req_ids, so))
-            return result
+            return self._propose(result)
         except Exception as e:
             if is_device_fault(e):
                 raise
@@ -202,6 +203,20 @@ class ModelRunner:
                 if is_device_fault(e):
                     raise
                 _fail(result, rid, e, "step")
+        return self._propose(result)
+
+    def _propose(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
+        """The next step's drafts of the requests that sampled (module docstring)."""
+        if self.proposer is None or not result.sampled_token_ids:
+            return result
+        try:
+            result.spec_token_ids = self.proposer.propose(self.input_batch,
+                                                          result.sampled_token_ids)
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            logger.warning("Drafting failed (%s: %s); this step's requests decode without "
+                           "drafts.", type(e).__name__, e, exc_info=e)
         return result
 
     def _execute(self, req_ids: list[str], so: SchedulerOutput) -> ModelRunnerOutput:
@@ -219,7 +234,7 @@ class ModelRunner:
         idx = torch.from_numpy(inputs.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
         if int(inputs.num_logits.max()) > 1:
-            self._verify_greedy(inputs, logits, result)
+            self._verify(inputs, logits, so, result)
         else:
             self._sample(inputs, logits, so, result)
         return result
@@ -256,28 +271,35 @@ class ModelRunner:
         if out.logprobs is not None:
             _collect_logprobs(states, sampled, out.logprobs, result)
 
-    def _verify_greedy(self, inputs: StepInputs, logits: torch.Tensor,
-                       result: ModelRunnerOutput) -> None:
-        """Greedy check of draft tokens: accept drafts while each equals the argmax before
-        it, then add the argmax after the last accepted one (the bonus or the correction)."""
-        argmax = logits.argmax(dim=-1).tolist()
-        start = 0
-        for i in inputs.sampling_positions():
-            n = int(inputs.num_logits[i])
-            state = self.requests[inputs.req_ids[i]]
-            if not state.sampling_params.greedy:
-                raise NotImplementedError("draft tokens are verified for greedy requests only")
-            row = int(inputs.rows[i])
-            known = int(self.input_batch.num_tokens[row])
-            drafts = self.input_batch.token_ids[row, known:known + n - 1].tolist()
-            out: list[int] = []
-            for j in range(n):
-                out.append(argmax[start + j])
-                if j == n - 1 or drafts[j] != out[-1]:
-                    break
-            self._append(row, state, out)
-            result.sampled_token_ids[state.req_id] = out
-            start += n
+    def _verify(self, inputs: StepInputs, logits: torch.Tensor, so: SchedulerOutput,
+                result: ModelRunnerOutput) -> None:
+        """Verify the step's drafts with `rejection_sample` and append each request's accepted
+        drafts plus its one more token. `logits` holds 1 + n rows per sampling request (n its
+        drafts, `inputs.logits_indices` order); they are gathered into [R, k + 1, V] (k the
+        configured draft length, so shapes do not change from step to step)."""
+        sampling = inputs.sampling_positions()
+        states = [self.requests[inputs.req_ids[i]] for i in sampling]
+        rows = inputs.rows[sampling]
+        num_logits = inputs.num_logits[sampling]
+        k = max(self.max_spec_tokens, int(num_logits.max()) - 1)
+        starts = np.cumsum(num_logits) - num_logits
+        pos = np.minimum(np.arange(k + 1)[None, :], num_logits[:, None] - 1)
+        target = logits[torch.from_numpy(starts[:, None] + pos).to(logits.device)]
+        if so.grammar is not None:  # structured rows have no drafts: position 0 is theirs
+            first = target[:, 0].contiguous()
+            so.grammar.apply(first, [s.req_id for s in states])
+            target[:, 0] = first
+        batch = self.input_batch
+        known = batch.num_tokens[rows]
+        drafts = batch.token_ids[rows[:, None], known[:, None] + np.arange(k)[None, :]]
+        md = batch.sampling_metadata(rows, logits.shape[1], self.device, self.eos_token_ids)
+        out = rejection_sample(torch.from_numpy(drafts), (num_logits - 1).tolist(), target, md)
+        emitted = parse_output(out)
+        for row, state, tokens in zip(rows.tolist(), states, emitted, strict=True):
+            self._append(row, state, tokens)
+            result.sampled_token_ids[state.req_id] = tokens
+        if out.logprobs is not None:
+            _collect_run_logprobs(states, emitted, out.logprobs, result)
 
     def _append(self, row: int, state: CachedRequestState, tokens: list[int]) -> None:
         for token in tokens:
@@ -296,6 +318,23 @@ def _collect_logprobs(states: list[CachedRequestState], sampled: list[int],
         for j in range(k):
             entry.setdefault(top_ids[i][j], Logprob(top_lp[i][j], j + 1))
         result.logprobs[s.req_id] = [entry]
+
+
+def _collect_run_logprobs(states: list[CachedRequestState], emitted: list[list[int]],
+                          logprobs: tuple[torch.Tensor, ...], result: ModelRunnerOutput) -> None:
+    """`_collect_logprobs` for runs of tokens: `logprobs` per request and position."""
+    token_lp, rank, top_ids, top_lp = (t.tolist() for t in logprobs)
+    for i, (s, tokens) in enumerate(zip(states, emitted, strict=True)):
+        k = s.sampling_params.logprobs
+        if k is None:
+            continue
+        entries = []
+        for j, token in enumerate(tokens):
+            entry = {token: Logprob(token_lp[i][j], rank[i][j])}
+            for r in range(k):
+                entry.setdefault(top_ids[i][j][r], Logprob(top_lp[i][j][r], r + 1))
+            entries.append(entry)
+        result.logprobs[s.req_id] = entries
 
 
 def _fail(result: ModelRunnerOutput, rid: str, e: Exception, where: str) -> None:

@@ -14,6 +14,12 @@ blocks allocated (not yet indexed) until the worker reports it received (`finish
 then it re-enters the waiting queue with those tokens computed, less the last prompt token,
 which is recomputed for its logits.
 
+Speculative decoding is the same arithmetic too: a running request's drafts
+(`Request.spec_token_ids`, from the previous step's proposer) are scheduled after its known
+tokens (`SchedulerOutput.scheduled_spec_decode_tokens`) and count in `num_computed_tokens`;
+when the step's output says how many were accepted, the rejected ones are taken back off
+(their slots are rewritten next step; prefix-cache hashes only ever cover known tokens).
+
 The scheduler owns the Request objects; what it hands the worker is a `SchedulerOutput` of
 plain data: a request in full the first time it is scheduled, then per-step diffs (new
 blocks, progress, resumption after preemption), and the ids finished since the last step.
@@ -30,6 +36,7 @@ from sous.config.scheduler import SchedulerConfig
 from sous.engine.kv_cache.manager import ComputedBlocks, KVCacheManager
 from sous.engine.request import Request, RequestStatus
 from sous.engine.scheduler_output import NewRequestData, SchedulerOutput
+from sous.engine.spec_decode.metrics import SpecDecodingStats
 from sous.kv_transfer.base import KVConnectorBase
 
 
@@ -43,6 +50,8 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_kv_load_failures: int = 0
     kv_connector_stats: dict[str, float] = field(default_factory=dict)
+    spec_decoding: SpecDecodingStats | None = None
+    """Speculative decoding counters since start (None: not configured)."""
 
 
 class WaitGate(Protocol):
@@ -91,6 +100,8 @@ class Scheduler:
         their load is done)."""
         self._loaded: set[str] = set()
         """Waiting requests whose KV an asynchronous load put in their blocks."""
+        self.spec_decoding: SpecDecodingStats | None = None
+        """Acceptance counters, set by the engine when speculative decoding is on."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -148,11 +159,13 @@ class Scheduler:
         """The Request objects of `out`'s scheduled requests, in its order."""
         return [self.requests[rid] for rid in out.num_scheduled_tokens if rid in self.requests]
 
-    def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int) -> int:
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int,
+                        num_drafts: int = 0) -> int:
         """Tokens to schedule for `request` once `num_computed_tokens` are in the KV cache:
-        what is left, capped by --long-prefill-token-threshold (running requests and new
-        admissions alike, as vLLM) and by the step's remaining budget."""
-        n = request.num_tokens - num_computed_tokens
+        what is left (with `num_drafts` draft tokens after the known ones), capped by
+        --long-prefill-token-threshold (running requests and new admissions alike, as vLLM)
+        and by the step's remaining budget."""
+        n = request.num_tokens + num_drafts - num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n:
             n = threshold
@@ -163,7 +176,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            n = self._num_new_tokens(request, request.num_computed_tokens, budget, len(drafts))
             if n <= 0:
                 i += 1
                 continue
@@ -173,6 +187,9 @@ class Scheduler:
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is request:
                     return budget
+            num_drafts = request.num_computed_tokens + n - request.num_tokens
+            if num_drafts > 0:
+                out.scheduled_spec_decode_tokens[request.request_id] = drafts[:num_drafts]
             scheduled.append((request, n))
             budget -= n
             i += 1
@@ -268,6 +285,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         if request.request_id in self._num_sent_blocks:
             self._resumed.add(request.request_id)
         self._loaded.discard(request.request_id)
@@ -278,11 +296,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+        self, out: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> list[tuple[Request, list[int]]]:
-        """Append sampled tokens, apply token-level stop conditions, free finished requests.
-        Returns (request, new token ids) for every request that produced tokens."""
+        """Take rejected drafts back off `num_computed_tokens`, append sampled tokens, apply
+        token-level stop conditions, free finished requests and keep the next step's drafts
+        (`spec_token_ids`). Returns (request, new token ids) for every request that produced
+        tokens."""
         requests = self.scheduled_requests(out)
+        self._apply_verification(out, sampled_token_ids)
         self.kv.commit([(r, r.num_computed_tokens) for r in requests])
         produced: list[tuple[Request, list[int]]] = []
         finished: list[Request] = []
@@ -298,8 +320,24 @@ class Scheduler:
                     finished.append(request)
                     break
             produced.append((request, new))
+            if spec_token_ids and not request.is_finished():
+                request.spec_token_ids = spec_token_ids.get(request.request_id, [])
         self._remove(finished)
         return produced
+
+    def _apply_verification(self, out: SchedulerOutput,
+                            sampled_token_ids: dict[str, list[int]]) -> None:
+        """Each verified request emitted its accepted drafts plus one token: the drafts it
+        rejected are no longer computed."""
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            request = self.requests.get(rid)
+            tokens = sampled_token_ids.get(rid)
+            if request is None or not tokens or rid not in out.num_scheduled_tokens:
+                continue
+            num_accepted = len(tokens) - 1
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            if self.spec_decoding is not None:
+                self.spec_decoding.observe(len(drafts), num_accepted)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (stop string, abort, ...) requests still held here; unknown ids are ignored.
@@ -363,4 +401,5 @@ class Scheduler:
             prefix_cache_hits=self.kv.stats.hits,
             num_kv_load_failures=self.num_kv_load_failures,
             kv_connector_stats=dict(self.kv_connector_stats),
+            spec_decoding=None if self.spec_decoding is None else self.spec_decoding.copy(),
         )

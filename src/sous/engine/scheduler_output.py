@@ -115,6 +115,8 @@ class ModelRunnerOutput:
     """Requests whose asynchronous KV load is over (WAITING_FOR_REMOTE_KVS ends)."""
     kv_connector_stats: dict[str, float] = field(default_factory=dict)
     """Counters the connector's worker side added this step (e.g. `kv_transfer_bytes`)."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Drafts for the next step (speculative decoding), per request that sampled."""
 
     def merge(self, other: ModelRunnerOutput) -> None:
         self.sampled_token_ids.update(other.sampled_token_ids)
@@ -123,4 +125,5 @@ class ModelRunnerOutput:
         self.kv_load_errors.update(other.kv_load_errors)
         self.finished_sending |= other.finished_sending
         self.finished_recving |= other.finished_recving
+        self.spec_token_ids.update(other.spec_token_ids)
         add_counts(self.kv_connector_stats, other.kv_connector_stats)

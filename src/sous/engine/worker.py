@@ -22,6 +22,8 @@ from sous.config.engine import EngineConfig
 from sous.engine.cpu_threads import CpuBinding, apply_cpu_threads
 from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sous.engine.spec_decode.config import resolve_speculative_config
+from sous.engine.spec_decode.proposer import make_proposer
 from sous.kv_transfer.base import KVConnectorRole
 from sous.kv_transfer.factory import make_connector
 from sous.models.loader import LoadedModel, load_model
@@ -97,10 +99,14 @@ class Worker:
         assert self.loaded is not None, "load_model() first"
         cache = self.config.cache
         kv_caches = self.kv_cache_spec.allocate(num_blocks, cache.block_size, self.device)
+        spec = resolve_speculative_config(self.config.speculative_config)
         self.runner = ModelRunner(
             self.loaded.model, kv_caches, cache.block_size, self.device,
             seed=self.config.model.seed, max_num_reqs=self.config.scheduler.max_num_seqs,
-            max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids))
+            max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids),
+            max_spec_tokens=(spec.num_speculative_tokens or 0) if spec else 0)
+        if spec is not None:
+            self.runner.proposer = make_proposer(spec, max_model_len)
         if self.config.kv_transfer_config is not None:
             connector = make_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_spec,
                                        self.loaded)

@@ -173,6 +173,11 @@ class SpeculativeConfig:
         return (self.num_speculative_tokens or 0) if self.use_eagle() else 0
 
 
+def resolve_speculative_config(value: Mapping[str, Any] | None) -> SpeculativeConfig | None:
+    """`EngineConfig.speculative_config` (the flag's JSON) resolved; None when off."""
+    return None if value is None else SpeculativeConfig.from_dict(value)
+
+
 def _check_fields(data: dict[str, Any]) -> None:
     fields = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
     for name in [n for n, v in data.items() if v is None]:

@@ -13,7 +13,11 @@ accepted at j / drafts. Prometheus names: `vllm:spec_decode_num_drafts`,
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +50,11 @@ class SpecDecodingStats:
         self.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.num_accepted_tokens_per_pos[j] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
 
     def merge(self, other: SpecDecodingStats) -> None:
         """Add `other`'s counts into these (per-position lists are padded to the longer)."""
@@ -93,3 +102,31 @@ class SpecDecodingStats:
                   f"Per-position acceptance rate: {rates}",
                   f"Avg Draft acceptance rate: {self.acceptance_rate * 100:.1f}%"]
         return "SpecDecoding metrics: " + ", ".join(parts)
+
+
+def _minus(a: SpecDecodingStats, b: SpecDecodingStats) -> SpecDecodingStats:
+    """`a`'s counts less `b`'s (an interval of cumulative counters)."""
+    per_pos = [x - y for x, y in zip(a.num_accepted_tokens_per_pos,
+                                     b.num_accepted_tokens_per_pos, strict=True)]
+    return SpecDecodingStats(a.num_spec_tokens, a.num_drafts - b.num_drafts,
+                             a.num_draft_tokens - b.num_draft_tokens,
+                             a.num_accepted_tokens - b.num_accepted_tokens, per_pos)
+
+
+class SpecDecodingLogger:
+    """Logs vLLM's line for each interval of at least `interval_s` seconds in which drafts
+    were verified (vLLM's periodic stat logger, every 10 s)."""
+
+    def __init__(self, num_spec_tokens: int, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last = SpecDecodingStats(num_spec_tokens)
+        self._last_time = time.monotonic()
+
+    def maybe_log(self, total: SpecDecodingStats) -> None:
+        """`total`: the cumulative counters now (not kept; copied as needed)."""
+        now = time.monotonic()
+        if now - self._last_time < self.interval_s or total.num_drafts == self._last.num_drafts:
+            return
+        logger.info("%s", _minus(total, self._last).log_line(now - self._last_time))
+        self._last = total.copy()
+        self._last_time = now
