@@ -62,7 +62,11 @@ def test_bundled_gguf(bundled):
         assert embed.table is bundled.model.lm_head
         ids = torch.arange(0, cfg.vocab_size, 7)
         dense = exact.model.model.embed_tokens.weight[ids]
-        assert torch.equal(embed(ids).float(), dense.float())
+        rows = embed(ids)
+        if rows.dtype == dense.dtype:
+            assert torch.equal(rows, dense)
+        else:  # float32 rows (a CPU without bf16) against the bfloat16 table: its rounding
+            torch.testing.assert_close(rows.float(), dense.float(), rtol=2**-8, atol=0.0)
     else:
         assert qgemm_ops(CPU) is None
     assert not bundled.model.training

@@ -1,4 +1,4 @@
-"""The `qgemm` C++ kernels (VNNI CPUs): GGUF block-quantised weights times int8 block
+"""The `qgemm` C++ kernels (AVX-512 VNNI or AVX2 CPUs): GGUF block-quantised weights times int8 block
 activations (`BlockQuantLinear`, llama.cpp's numerics) and per-channel int8 (`Int8Linear`)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sous.models.loader_gguf import _group_quant
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(qgemm_ops(CPU) is None,
-                                reason="qgemm needs the C++ ops on an AVX-512 VNNI CPU")
+                                reason="qgemm needs the C++ ops on an AVX-512 VNNI or AVX2 CPU")
 
 
 def _gguf_weight(qtype: str, n: int, k: int, seed: int = 0):

@@ -32,11 +32,11 @@ class ModelConfig:
     """Model implementation: `auto` and `vllm` both run sous' own implementation of the
     architecture."""
     quantization: Literal["gguf", "int8"] | None = None
-    """`gguf`: keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices quantised: on a CPU with AVX-512 VNNI
-    times int8 block activations (llama.cpp's numerics), else on torch's int4 kernel. This is
+    """`gguf`: keep a GGUF file's Q4_0/Q4_1/Q8_0 matrices quantised: on a CPU with AVX-512 VNNI or
+    AVX2 times int8 block activations (llama.cpp's numerics), else on torch's int4 kernel. This is
     the default for such files with `--dtype auto`; an explicit `--dtype` dequantises them
     instead (exact). `int8` (CPU, any float model): int8 weights per output channel with
-    dynamic per-token int8 activations on an exact integer matmul (VNNI), as OpenVINO
+    dynamic per-token int8 activations on an exact integer matmul (VNNI or AVX2), as OpenVINO
     computes; faster, approximate (the README gives its measured error)."""
     chat_template: str | None = None
     """Jinja chat template (file path or inline) overriding the tokenizer's."""

@@ -9,7 +9,7 @@ where bf16 is unsupported), as vLLM does.
 
 GGUF files: by default (`--dtype auto`, no `--quantization`) and with `--quantization gguf`,
 their Q4_0/Q4_1/Q8_0 matrices stay quantised, as vLLM serves GGUF, and run on sous' `qgemm`
-kernel (AVX-512 VNNI: llama.cpp's numerics, int8 block activations) or else torch's int4 CPU
+kernel (AVX-512 VNNI or AVX2: llama.cpp's numerics, int8 block activations) or else torch's int4 CPU
 kernel (bf16 activations); both compute each row on its own, so results do not depend on the
 batch. An explicit `--dtype` (float32, bfloat16, float16) dequantises every weight on load to
 that dtype instead: exact numerics, as transformers computes them. Opt-in, for the int4 kernel:

@@ -6,7 +6,7 @@ its own scale (`x ~ x8 * x_scale`). The product runs as an exact int8 x int8 -> 
 (`torch._int_mm`, oneDNN with VNNI on x86) and is rescaled: `y = (x8 @ w8^T) * x_scale *
 w_scale + b`. Integer accumulation is exact and every scale is per row, so a row's result does
 not depend on the other rows of the batch: greedy output is the same alone and batched.
-Where the CPU has AVX-512 VNNI the whole product is one call of sous' `qgemm_i8` kernel on
+Where the CPU has AVX-512 VNNI or AVX2 the whole product is one call of sous' `qgemm_i8` kernel on
 weights packed at load (bit-identical to the form below, several times faster for decode
 batches: no per-call weight reorder).
 
@@ -41,7 +41,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(nn.Module):
     """`y = x @ W^T + b` in W8A8 (module docstring). Buffers: `w_scale` float32 `[out]` and
-    either `w_packed` (qgemm's layout, on a VNNI CPU) or `w8_t` int8 `[in, out]`; the float
+    either `w_packed` (qgemm's layout, on a VNNI or AVX2 CPU) or `w8_t` int8 `[in, out]`; the float
     weight is not kept."""
 
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> None:

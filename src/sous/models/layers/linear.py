@@ -5,8 +5,8 @@ x86 CPUs MKL is several times faster this way than `F.linear` for the 2-32 row i
 decode batch.
 
 Group-quantised weights (GGUF Q4_0 / Q4_1 exactly, Q8_0 as the sum of two 4-bit planes) run on
-sous' `qgemm` kernel (`BlockQuantLinear`, llama.cpp's numerics) where the CPU has AVX-512 VNNI;
-elsewhere `Int4Linear` runs them through torch's CPU int4 weight-only kernel. That kernel is
+sous' `qgemm` kernel (`BlockQuantLinear`, llama.cpp's numerics) where the CPU has AVX-512 VNNI
+or AVX2; elsewhere `Int4Linear` runs them through torch's CPU int4 weight-only kernel. That kernel is
 fast only with bfloat16 activations, so inputs are rounded to bfloat16 and outputs come back
 in the caller's dtype: the numerics are those of a bfloat16 matmul over the exact quantised
 weights.

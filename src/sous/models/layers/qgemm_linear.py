@@ -1,8 +1,9 @@
 """`BlockQuantLinear`: GGUF Q4_0 / Q4_1 / Q8_0 weights on the `qgemm` C++ kernel, llama.cpp's
 numerics (block-quantised weights times activations quantised to int8 per block of 32).
 
-The kernel (`engine/ops/csrc/qgemm.cpp`) needs AVX-512 VNNI; `qgemm_ops` says whether this
-machine has it (elsewhere `make_linear` keeps torch's int4 kernel). Weights are packed
+The kernel (`engine/ops/csrc/qgemm.cpp`) runs on AVX-512 VNNI or AVX2 (bit-identical
+results); `qgemm_ops` says whether this machine has either (elsewhere `make_linear` keeps
+torch's int4 kernel). Weights are packed
 once at load (`pack_weights`): output rows in groups of 16, interleaved in 4-byte steps so one
 `vpdpbusd` advances 16 rows at once. The same layout carries the per-channel int8 weights of
 `--quantization int8` (`Int8Linear`), whose kernel `qgemm_i8` sums over all of K in int32.
@@ -25,9 +26,9 @@ CPU = torch.device("cpu")
 
 def qgemm_ops(device: torch.device) -> Any:
     """The C++ ops module with `qgemm` / `qgemm_i8` for tensors on `device` when they run on
-    VNNI there, else None (`sous.engine.ops.build.cpu_ops`)."""
+    AVX-512 VNNI or AVX2 there, else None (`sous.engine.ops.build.cpu_ops`)."""
     mod = cpu_ops(device)
-    return mod if mod is not None and mod.qgemm_vnni() else None
+    return mod if mod is not None and mod.qgemm_simd() else None
 
 
 def pack_weights(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -92,7 +93,7 @@ class BlockQuantLinear(nn.Module):
         self.in_features, self.out_features = k, n
         self.ops = qgemm_ops(CPU)
         if self.ops is None:
-            raise RuntimeError("BlockQuantLinear needs the C++ qgemm kernel (AVX-512 VNNI)")
+            raise RuntimeError("BlockQuantLinear needs the C++ qgemm kernel (AVX-512 VNNI or AVX2)")
         q, scale, mins, self.bits = block_form(weight)
         self.register_buffer("packed", pack_weights(q, self.bits))
         scale, mins = compact_scales(scale, mins)

@@ -23,7 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T for block-quantised W (GGUF Q4_0/Q4_1/Q8_0) with int8 block activations");
   m.def("qgemm_i8", &sous::qgemm_i8,
         "x @ W^T for per-channel int8 W with per-row int8 activations (exact int32 sums)");
-  m.def("qgemm_vnni", &sous::qgemm_vnni, "True when qgemm runs on AVX-512 VNNI");
+  m.def("qgemm_simd", &sous::qgemm_simd, "True when qgemm runs on AVX-512 VNNI or AVX2");
   m.def("qgemm_rows", &sous::qgemm_rows,
         "Rows of a qgemm-packed block weight, dequantised (a quantised token embedding)");
   m.def("rms_norm", &sous::rms_norm, "Residual add + RMSNorm in one pass: (out, new residual)");

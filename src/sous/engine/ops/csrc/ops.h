@@ -58,8 +58,8 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wd,
 at::Tensor qgemm_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws, int64_t n,
                     const std::optional<at::Tensor>& bias);
 
-// True when qgemm runs on AVX-512 VNNI (else a slow portable form).
-bool qgemm_vnni();
+// True when qgemm runs on AVX-512 VNNI or AVX2 (else a slow portable form).
+bool qgemm_simd();
 
 // Rows `ids` [T] int64 (each in [0, n)) of a qgemm-packed block weight of n rows, dequantised
 // (q * wd + wm) into a new [T, K] tensor of `out_type` (float32 or bfloat16) (qgemm_rows.cpp).

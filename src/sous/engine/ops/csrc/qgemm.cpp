@@ -1,5 +1,6 @@
 // Quantised GEMMs on AVX-512 VNNI (`vpdpbusd`: unsigned 8-bit weights times signed 8-bit
-// activations, exact int32 sums), for the two weight formats sous serves:
+// activations, exact int32 sums) or AVX2 (`vpmaddubsw` + `vpmaddwd`, the same exact sums, 8
+// lanes at a time), for the two weight formats sous serves:
 //
 // * block (`qgemm`): llama.cpp's numerics for GGUF Q4_0 / Q4_1 / Q8_0 --
 //     W[n, k] = q[n, k] * wd[n, b] + wm[n, b]          (b = k / 32; q unsigned, 4 or 8 bits)
@@ -18,7 +19,8 @@
 // 4 bits 256 bytes, steps s and s + 4 sharing bytes (low and high nibbles).
 //
 // Every output is computed by the same instruction sequence whatever the number of rows or
-// which rows share a tile, so a row's result does not depend on the batch it is in.
+// which rows share a tile, so a row's result does not depend on the batch it is in. The AVX2
+// and VNNI forms do the same float operations per lane, so their results are bit-identical.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,6 +38,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define SOUS_QGEMM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SOUS_QGEMM_AVX2 1
 #endif
 
 namespace sous {
@@ -263,8 +268,138 @@ void tile(const Problem& p, int64_t m0, int64_t g) {
     store(p, m0 + i, g * LANES, out);
   }
 }
+#elif defined(SOUS_QGEMM_AVX2)
+inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256i bcast4(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, 4);
+  return _mm256_set1_epi32(four);
+}
+
+inline __m256 load_scale8(const float* f, const c10::Half* h, int64_t i) {
+  return h != nullptr ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)))
+                      : _mm256_loadu_ps(f + i);
+}
+
+// Block dots of R activation rows `x[r]` (32 int8 each) with both halves (lanes 0-7, 8-15) of
+// one (group, block) of 4-bit weights `src`: dot[r][h], exact int32. `vpmaddubsw` pair sums
+// are at most 2 * 15 * 127 and eight of them fit int16, so nothing saturates.
+template <int R>
+inline void dots4(const uint8_t* src, const int8_t* const* x, __m256i (*dot)[2]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256i p[R][2];
+  for (int r = 0; r < R; ++r) p[r][0] = p[r][1] = _mm256_setzero_si256();
+  for (int s = 0; s < 4; ++s) {
+    __m256i xlo[R], xhi[R];
+    for (int r = 0; r < R; ++r) {
+      xlo[r] = bcast4(x[r] + 4 * s);
+      xhi[r] = bcast4(x[r] + 4 * s + 16);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load32(src + 64 * s + 32 * h);
+      const __m256i lo = _mm256_and_si256(v, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      for (int r = 0; r < R; ++r) {
+        p[r][h] = _mm256_add_epi16(p[r][h], _mm256_maddubs_epi16(lo, xlo[r]));
+        p[r][h] = _mm256_add_epi16(p[r][h], _mm256_maddubs_epi16(hi, xhi[r]));
+      }
+    }
+  }
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(p[r][h], one);
+}
+
+// The same for 8-bit weights, split into nibbles (high nibble sums shifted by 4).
+template <int R>
+inline void dots8(const uint8_t* src, const int8_t* const* x, __m256i (*dot)[2]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256i plo[R], phi[R];
+    for (int r = 0; r < R; ++r) plo[r] = phi[r] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      const __m256i v = load32(src + 64 * s + 32 * h);
+      const __m256i lo = _mm256_and_si256(v, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = bcast4(x[r] + 4 * s);
+        plo[r] = _mm256_add_epi16(plo[r], _mm256_maddubs_epi16(lo, xb));
+        phi[r] = _mm256_add_epi16(phi[r], _mm256_maddubs_epi16(hi, xb));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      dot[r][h] = _mm256_add_epi32(_mm256_madd_epi16(plo[r], one),
+                                   _mm256_slli_epi32(_mm256_madd_epi16(phi[r], one), 4));
+  }
+}
+
+// Outputs [m0, m0 + R) x group g (16 rows): R rows share each load of the weights.
+template <int R>
+void tile_rows(const Problem& p, int64_t m0, int64_t g) {
+  const QuantAct& a = *p.a;
+  const uint8_t* wg = p.w + g * a.nb * p.block_bytes;
+  __m256 acc[R][2];
+  __m256i iacc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      acc[r][h] = _mm256_setzero_ps();
+      iacc[r][h] = _mm256_setzero_si256();
+    }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = a.q.data() + (m0 + r) * a.k + b * QK;
+    __m256i dot[R][2];
+    if (p.bits == 8) {
+      dots8<R>(wg + b * p.block_bytes, x, dot);
+    } else {
+      dots4<R>(wg + b * p.block_bytes, x, dot);
+    }
+    if (!p.per_block) {
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) iacc[r][h] = _mm256_add_epi32(iacc[r][h], dot[r][h]);
+      continue;
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t si = (g * a.nb + b) * LANES + 8 * h;
+      const __m256 wd = load_scale8(p.wd, p.hd, si), wm = load_scale8(p.wm, p.hm, si);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * a.nb + b;
+        const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(a.d[i]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), scale, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.s[i]), acc[r][h]);
+      }
+    }
+  }
+  alignas(32) float out[LANES];
+  alignas(32) float ws[LANES] = {};
+  if (!p.per_block)
+    for (int64_t l = 0; l < LANES && g * LANES + l < p.n; ++l) ws[l] = p.wd[g * LANES + l];
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      if (!p.per_block) {  // float(acc - 128 sum(xq)) * xd[m] * ws[n]
+        const int32_t offset = 128 * static_cast<int32_t>(a.s[m0 + r]);
+        const __m256 v =
+            _mm256_cvtepi32_ps(_mm256_sub_epi32(iacc[r][h], _mm256_set1_epi32(offset)));
+        acc[r][h] = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(a.d[m0 + r])),
+                                  _mm256_load_ps(ws + 8 * h));
+      }
+      _mm256_store_ps(out + 8 * h, acc[r][h]);
+    }
+    store(p, m0 + r, g * LANES, out);
+  }
+}
+
+// Outputs [m0, m0 + MT) x group g.
+template <int MT>
+void tile(const Problem& p, int64_t m0, int64_t g) {
+  tile_rows<MT>(p, m0, g);
+}
 #else
-// Portable form (no VNNI): the same integer dots and float operations, one lane at a time.
+// Portable form (no VNNI, no AVX2): the same integer dots and float operations, one lane at a
+// time.
 template <int MT>
 void tile(const Problem& p, int64_t m0, int64_t g) {
   const QuantAct& a = *p.a;
@@ -334,8 +469,8 @@ const float* bias_ptr(const std::optional<at::Tensor>& bias, at::Tensor& keep, i
 
 }  // namespace
 
-bool qgemm_vnni() {
-#ifdef SOUS_QGEMM_VNNI
+bool qgemm_simd() {
+#if defined(SOUS_QGEMM_VNNI) || defined(SOUS_QGEMM_AVX2)
   return true;
 #else
   return false;

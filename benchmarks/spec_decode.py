@@ -1,0 +1,189 @@
+"""Speculative decoding: output throughput with n-gram and suffix drafts against no drafts, on
+the bundled SmolLM2-135M, one stream and 16 at once. Prints JSON.
+
+    python benchmarks/spec_decode.py [--methods off,ngram,suffix] [--concurrency 1,16]
+                                     [--rounds 3] [--max-tokens 160] [--output F]
+
+One `sous serve` per method (the same flags otherwise), greedy chat requests, two workloads:
+
+- `code`: "rewrite this Python module with type hints": the answer repeats much of the prompt,
+  the case n-gram and suffix drafting are for (code edits, RAG, agents re-reading files);
+- `essay`: the `sous bench serve` essay prompt: open-ended text with little to copy, where
+  drafts are mostly rejected and their cost shows.
+
+Per method, workload and concurrency level, `--rounds` rounds of fresh prompts (one warm-up
+round first); each round's output tok/s is completion tokens over wall time. Reported: the
+median over rounds, its ratio against `off` measured by the same script on the same machine,
+the mean acceptance length (1 + accepted/drafts, from the server's
+`vllm:spec_decode_*` counters) and the draft acceptance rate. Greedy answers are compared
+with `off` too: `identical` is false if any differed (it must not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE / "peers")]
+from peer_engines import _wait_ready, free_port, wait_idle  # noqa: E402
+
+from kv_offload import machine, median, stop  # noqa: E402
+
+METHODS = {
+    "off": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+              "prompt_lookup_max": 4},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 3},
+}
+WORDS = ["alpha", "beta", "gamma", "delta", "table", "count", "total", "value", "index",
+         "record", "item", "price", "name", "user", "order", "score", "level", "limit", "offset"]
+
+
+def code_prompt(rng: random.Random) -> str:
+    """A small module of seeded functions to rewrite: most of the answer is in the prompt."""
+    funcs = []
+    for _ in range(3):
+        name, a, b = rng.sample(WORDS, 3)
+        funcs.append(f"def get_{name}({a}, {b}):\n    result = []\n"
+                     f"    for x in {a}:\n        if x > {b}:\n            result.append(x)\n"
+                     f"    return result\n")
+    return ("Rewrite this Python code with type hints. Keep everything else the same.\n\n"
+            "```python\n" + "\n".join(funcs) + "```")
+
+
+def essay_prompt(rng: random.Random) -> str:
+    topic = " ".join(rng.sample(WORDS, 2))
+    words = ", ".join(rng.sample(WORDS, 12))
+    return (f"Write a long essay about {topic}. Cover each of these words in turn: {words}.")
+
+
+WORKLOADS = {"code": code_prompt, "essay": essay_prompt}
+
+
+def start_server(work: Path, method: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    log = work / f"{method}.log"
+    port = free_port()
+    cmd = [sys.executable, "-m", "sous.cli", "serve", "--port", str(port)]
+    if METHODS[method] is not None:
+        cmd += ["--speculative-config", json.dumps(METHODS[method])]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ), start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    _wait_ready(proc, base + "/v1/models", timeout_s, log)
+    return proc, base
+
+
+def counters(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=10.0).text
+    out = {}
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        m = re.search(rf"^vllm:spec_decode_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def ask(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> tuple[str, int]:
+    model = client.get(base + "/v1/models").json()["data"][0]["id"]
+    r = client.post(base + "/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0, "max_tokens": max_tokens})
+    r.raise_for_status()
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+
+
+def one_round(base: str, prompts: list[str], concurrency: int, max_tokens: int
+              ) -> tuple[float, list[str]]:
+    """Output tok/s of answering `prompts` with `concurrency` in flight, and the answers."""
+    with httpx.Client(trust_env=False, timeout=600.0) as client, \
+            ThreadPoolExecutor(concurrency) as pool:
+        start = time.perf_counter()
+        done = list(pool.map(lambda p: ask(client, base, p, max_tokens), prompts))
+        elapsed = time.perf_counter() - start
+    return sum(n for _, n in done) / elapsed, [text for text, _ in done]
+
+
+def run_method(base: str, args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for workload, make in WORKLOADS.items():
+        for conc in args.concurrency:
+            rng = random.Random(f"{workload}-{conc}")
+            n = max(conc, 4)
+            rounds = [[make(rng) for _ in range(n)] for _ in range(args.rounds + 1)]
+            one_round(base, rounds[0], conc, args.max_tokens)  # warm-up
+            before = counters(base)
+            rates, answers = [], []
+            for prompts in rounds[1:]:
+                wait_idle(args.idle_wait)
+                rate, texts = one_round(base, prompts, conc, args.max_tokens)
+                rates.append(rate)
+                answers += texts
+            after = counters(base)
+            drafts = after["num_drafts"] - before["num_drafts"]
+            proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
+            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            results[f"{workload}/{conc}"] = {
+                "output_tok_per_s": median(rates), "rounds": rates, "answers": answers,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                "draft_acceptance_rate": accepted / proposed if proposed else None}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--methods", default="off,ngram,suffix",
+                   help=f"comma list of {','.join(METHODS)}; off is always measured")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 16])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--idle-wait", type=float, default=20.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="server start-up limit, s")
+    p.add_argument("--output", type=Path)
+    args = p.parse_args(argv)
+    methods = ["off"] + [m for m in args.methods.split(",") if m != "off"]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+    measured: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="sous-spec-bench-") as tmp:
+        for method in methods:
+            proc, base = start_server(Path(tmp), method, args.timeout)
+            try:
+                measured[method] = run_method(base, args)
+            finally:
+                stop(proc)
+    for cases in measured.values():
+        for case, r in cases.items():
+            off = measured["off"][case]
+            r["ratio_vs_off"] = r["output_tok_per_s"] / off["output_tok_per_s"]
+            r["identical"] = r["answers"] == off["answers"]
+    for cases in measured.values():
+        for r in cases.values():
+            del r["answers"]
+    report = {"machine": machine(), "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "configs": {m: METHODS[m] for m in methods}, "results": measured}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+    ok = all(r["identical"] for cases in measured.values() for r in cases.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
