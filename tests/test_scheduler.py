@@ -193,3 +193,20 @@ def test_readmissions_after_preemption_are_counted_apart() -> None:
     assert s.num_preemptions >= 1
     assert (stats.requests, stats.queries) == (2, 16)
     assert stats.preempted_requests == s.num_preemptions
+
+
+@pytest.mark.parametrize("limit, drafted", [(None, True), (3, True), (2, False)])
+def test_disable_by_batch_size_stops_drafts(limit: int | None, drafted: bool) -> None:
+    """`disable_by_batch_size`: with more requests running or waiting than the limit, the
+    proposer's drafts are dropped and each request decodes one token."""
+    s = make_scheduler()
+    s.spec_disable_batch_size = limit
+    for i in range(3):
+        s.add_request(req(f"r{i}", 4, max_tokens=8, first=10 * i + 1))
+    fake_step(s)  # prefill; every request samples its first token
+    for r in s.running:
+        r.spec_token_ids = [7, 7]
+    out = s.schedule()
+    assert bool(out.scheduled_spec_decode_tokens) is drafted
+    assert set(out.num_scheduled_tokens.values()) == ({3} if drafted else {1})
+    assert all(not r.spec_token_ids for r in s.running)

@@ -123,6 +123,10 @@ def test_suffix_defaults() -> None:
     ({"method": "eagle3", "model": "m/x", "draft_tensor_parallel_size": 2},
      ["draft_tensor_parallel_size=2", "not supported yet"]),
     ({"method": "eagle3", "model": "m/x", "max_model_len": 0}, ["max_model_len", ">= 1"]),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
+     ["disable_by_batch_size", "> 1"]),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "8"},
+     ["disable_by_batch_size", "an integer"]),
 ])
 def test_config_errors_name_the_field(data: dict, words: list[str]) -> None:
     with pytest.raises(ConfigError) as err:

@@ -144,6 +144,7 @@ class EngineCore:
         if spec is not None:
             assert spec.num_speculative_tokens is not None
             self.scheduler.spec_decoding = SpecDecodingStats(spec.num_speculative_tokens)
+            self.scheduler.spec_disable_batch_size = spec.disable_by_batch_size
             self.spec_logger = SpecDecodingLogger(spec.num_speculative_tokens)
             logger.info("Speculative decoding: %s, up to %d draft tokens per step",
                         spec.method, spec.num_speculative_tokens)

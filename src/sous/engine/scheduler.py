@@ -102,6 +102,9 @@ class Scheduler:
         """Waiting requests whose KV an asynchronous load put in their blocks."""
         self.spec_decoding: SpecDecodingStats | None = None
         """Acceptance counters, set by the engine when speculative decoding is on."""
+        self.spec_disable_batch_size: int | None = None
+        """`disable_by_batch_size`: no drafts are scheduled while more requests than this
+        are running or waiting."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -173,10 +176,12 @@ class Scheduler:
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput,
                           budget: int) -> int:
+        limit = self.spec_disable_batch_size
+        drafting = limit is None or len(self.running) + len(self.waiting) <= limit
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            drafts, request.spec_token_ids = request.spec_token_ids, []
+            drafts, request.spec_token_ids = request.spec_token_ids if drafting else [], []
             n = self._num_new_tokens(request, request.num_computed_tokens, budget, len(drafts))
             if n <= 0:
                 i += 1

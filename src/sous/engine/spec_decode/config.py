@@ -60,7 +60,7 @@ _VLLM_DEFAULTS: dict[str, Any] = {
     "rejection_sample_method": "standard", "synthetic_acceptance_rates": None,
     "synthetic_acceptance_length": None, "enable_adaptive_verification": False,
     "draft_sample_method": "greedy", "dspark_draft_topk": None,
-    "disable_by_batch_size": None, "speculative_token_tree": None,
+    "speculative_token_tree": None,
 }
 
 
@@ -102,6 +102,9 @@ class SpeculativeConfig:
     """Speculate at most `factor * prefix match length` tokens."""
     suffix_decoding_min_token_prob: float = 0.1
     """Stop speculating below this estimated token probability."""
+    disable_by_batch_size: int | None = None
+    """Schedule no drafts while more than this many requests are running or waiting (at
+    least 2; None: always draft)."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
@@ -133,6 +136,8 @@ class SpeculativeConfig:
         d["num_speculative_tokens"] = k
         if k is not None:
             _check_k(k)
+        if (limit := d.get("disable_by_batch_size")) is not None and limit < 2:
+            raise ConfigError(f"{FLAG}: disable_by_batch_size must be > 1, got {limit}")
         tp = d.get("draft_tensor_parallel_size")
         if tp is not None and tp < 1:
             raise ConfigError(f"{FLAG}: draft_tensor_parallel_size must be >= 1, got {tp}")
