@@ -95,8 +95,8 @@ def counters(base: str) -> dict[str, float]:
     return out
 
 
-def ask(client: httpx.Client, base: str, prompt: str, max_tokens: int) -> tuple[str, int]:
-    model = client.get(base + "/v1/models").json()["data"][0]["id"]
+def ask(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int
+        ) -> tuple[str, int]:
     r = client.post(base + "/v1/chat/completions", json={
         "model": model, "messages": [{"role": "user", "content": prompt}],
         "temperature": 0, "max_tokens": max_tokens})
@@ -110,8 +110,9 @@ def one_round(base: str, prompts: list[str], concurrency: int, max_tokens: int
     """Output tok/s of answering `prompts` with `concurrency` in flight, and the answers."""
     with httpx.Client(trust_env=False, timeout=600.0) as client, \
             ThreadPoolExecutor(concurrency) as pool:
+        model = client.get(base + "/v1/models").json()["data"][0]["id"]
         start = time.perf_counter()
-        done = list(pool.map(lambda p: ask(client, base, p, max_tokens), prompts))
+        done = list(pool.map(lambda p: ask(client, base, model, p, max_tokens), prompts))
         elapsed = time.perf_counter() - start
     return sum(n for _, n in done) / elapsed, [text for text, _ in done]
 

@@ -111,9 +111,10 @@ class OutputProcessor:
                     new_logprobs: list[dict[int, Logprob]] | None) -> bool:
         """Detokenize `new_tokens` (several per step with speculative decoding); True when a
         stop string finished a request the scheduler still runs. Tokens after the one that
-        completes a stop string are removed from the request. A stop string wins over the finish the scheduler already applied for the
-        same token (length cap, EOS, stop token id), as in vLLM: the text is cut there, so
-        the finish reason is "stop" with the string as stop_reason."""
+        completes a stop string are removed from the request. A stop string wins over the
+        finish the scheduler already applied for the same token (length cap, EOS, stop token
+        id), as in vLLM: the text is cut there, so the finish reason is "stop" with the string
+        as stop_reason."""
         request = child.request
         lps = new_logprobs if child.logprobs is not None else None
         for j, token in enumerate(new_tokens):

@@ -163,8 +163,17 @@ class ServerMetrics:
             head(name, "counter", text)
             out.append(f"{name}{{{lab}}} {_fmt(connector.get(key, 0))}")
         spec = getattr(stats, "spec_decoding", None)
-        if spec is not None:
-            out.extend(_spec_decode_lines(spec, lab))
+        if spec is not None:  # vLLM's speculative decoding counters (cumulative)
+            for key, text in (("num_drafts", "Number of spec decoding drafts."),
+                              ("num_draft_tokens", "Number of draft tokens."),
+                              ("num_accepted_tokens", "Number of accepted tokens.")):
+                name = f"vllm:spec_decode_{key}_total"
+                head(name, "counter", text)
+                out.append(f"{name}{{{lab}}} {_fmt(getattr(spec, key))}")
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+            head(name, "counter", "Accepted tokens per draft position.")
+            out += [f'{name}{{{lab},position="{j}"}} {_fmt(n)}'
+                    for j, n in enumerate(spec.num_accepted_tokens_per_pos)]
         head("vllm:request_success_total", "counter", "Count of successfully processed requests.")
         for reason, n in self.success.items():
             out.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {_fmt(n)}')
@@ -181,22 +190,6 @@ class ServerMetrics:
             head(name, "histogram", text)
             out.extend(hist.lines(name, lab))
         return "\n".join(out) + "\n"
-
-
-def _spec_decode_lines(spec: Any, lab: str) -> list[str]:
-    """vLLM's speculative decoding counters (`SpecDecodingStats`, cumulative)."""
-    out = []
-    for key, text in (("num_drafts", "Number of spec decoding drafts."),
-                      ("num_draft_tokens", "Number of draft tokens."),
-                      ("num_accepted_tokens", "Number of accepted tokens.")):
-        name = f"vllm:spec_decode_{key}_total"
-        out += [f"# HELP {name} {text}", f"# TYPE {name} counter",
-                f"{name}{{{lab}}} {_fmt(getattr(spec, key))}"]
-    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-    out += [f"# HELP {name} Accepted tokens per draft position.", f"# TYPE {name} counter"]
-    out += [f'{name}{{{lab},position="{j}"}} {_fmt(n)}'
-            for j, n in enumerate(spec.num_accepted_tokens_per_pos)]
-    return out
 
 
 class RequestMetrics:

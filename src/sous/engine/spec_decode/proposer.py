@@ -1,7 +1,7 @@
 """The runner's drafter seam: `Proposer`, the rows that may be drafted for, and the factory.
 
 After a step has sampled, the runner asks its proposer for the next step's drafts of the
-requests that sampled (`propose(batch, req_ids)`); the scheduler schedules them after the
+requests that sampled (`propose(batch, sampled)`); the scheduler schedules them after the
 request's known tokens and the runner verifies them with `rejection_sample`. A proposer reads
 the persistent `InputBatch` (token ids without drafts, `num_tokens`; the tokens just sampled
 already appended) and never mutates it.
@@ -15,16 +15,13 @@ one token per step, as without speculation; their output is the same either way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from sous.engine.input_batch import InputBatch
 from sous.engine.spec_decode.config import SpeculativeConfig
 from sous.engine.spec_decode.ngram_proposer import NgramProposer
-
-if TYPE_CHECKING:
-    from sous.engine.spec_decode.suffix_proposer import SuffixProposer
 
 
 class Proposer(Protocol):
@@ -72,7 +69,7 @@ class NgramDrafter:
         """Stateless."""
 
 
-def make_proposer(config: SpeculativeConfig, max_model_len: int) -> NgramDrafter | SuffixProposer:
+def make_proposer(config: SpeculativeConfig, max_model_len: int) -> Proposer:
     """The drafter for `config.method` (ConfigError from a suffix drafter that cannot load)."""
     if config.method == "ngram":
         return NgramDrafter(config, max_model_len)

@@ -338,7 +338,7 @@ inline void dots8(const uint8_t* src, const int8_t* const* x, __m256i (*dot)[2])
 
 // Outputs [m0, m0 + R) x group g (16 rows): R rows share each load of the weights.
 template <int R>
-void tile_rows(const Problem& p, int64_t m0, int64_t g) {
+void tile(const Problem& p, int64_t m0, int64_t g) {
   const QuantAct& a = *p.a;
   const uint8_t* wg = p.w + g * a.nb * p.block_bytes;
   __m256 acc[R][2];
@@ -390,12 +390,6 @@ void tile_rows(const Problem& p, int64_t m0, int64_t g) {
     }
     store(p, m0 + r, g * LANES, out);
   }
-}
-
-// Outputs [m0, m0 + MT) x group g.
-template <int MT>
-void tile(const Problem& p, int64_t m0, int64_t g) {
-  tile_rows<MT>(p, m0, g);
 }
 #else
 // Portable form (no VNNI, no AVX2): the same integer dots and float operations, one lane at a
