@@ -232,7 +232,7 @@ def test_kv_budget_on_device(tiny_llama: Path) -> None:
     spec = llm.engine.model_info.kv_cache_spec
     cache = CacheConfig(gpu_memory_utilization=0.5)
     budget = kv_cache_budget_bytes(cache, DEV, 1 << 20)
-    blocks = num_kv_blocks(cache, spec, DEV, 1 << 20)
+    blocks = num_kv_blocks(cache, spec.page_bytes(cache.block_size), DEV, 1 << 20)
     assert blocks == budget // spec.page_bytes(16) and blocks >= 2
     if ON_CUDA:
         _, total = torch.cuda.mem_get_info(DEV)

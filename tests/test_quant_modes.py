@@ -95,24 +95,35 @@ def test_preemption_equals_alone(quant: str, aloneq: list[list[int]]) -> None:
 
 def test_layer_stack_equals_the_python_layers(llmq: LLM, quant: str) -> None:
     """GGUF weights run a step's decoder layers as one C++ call (`sous.models.llama_stack`):
-    bit-identical to the Python layers, batched, with sampled logprobs."""
+    bit-identical to the Python layers, batched, with sampled logprobs; so are the stacks
+    split at EAGLE-3's aux layers (which hand back the residual stream there)."""
     model = llmq.engine.loaded.model
     if quant != "gguf" or qgemm_ops(CPU) is None:
-        assert quant == "gguf" or model._layer_stack() is None  # int8 linears: Python layers
+        assert quant == "gguf" or model._layer_stacks(()) is None  # int8 linears: Python layers
         return
-    assert len(model._layer_stack()) == model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    ((start, end, _),) = model._layer_stacks(())
+    assert (start, end) == (0, layers)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    llmq.engine.reset_prefix_cache()
-    fused = llmq.generate(PROMPTS[:6], params, use_tqdm=False)
-    model._stack = None  # the Python layers
-    try:
+
+    def run() -> list:
         llmq.engine.reset_prefix_cache()
-        plain = llmq.generate(PROMPTS[:6], params, use_tqdm=False)
+        return llmq.generate(PROMPTS[:6], params, use_tqdm=False)
+
+    fused = run()
+    runner = llmq.engine.runner
+    runner.aux_hidden_state_layers = (2, layers // 2, layers - 3)
+    try:
+        split = run()
+        assert len(model._stacks[runner.aux_hidden_state_layers]) == 4
+        model._stacks = {(): None}  # the Python layers
+        plain = run()
     finally:
-        model._stack = False
-    for a, b in zip(fused, plain, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        model._stacks = {}
+        runner.aux_hidden_state_layers = ()
+    for a, b, c in zip(fused, split, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs == c.outputs[0].logprobs
 
 
 def test_int8_logits_close_to_float32() -> None:

@@ -1,6 +1,7 @@
 """Speculative decoding end to end: real `sous serve` processes with `--speculative-config`
-(n-gram and suffix drafters, as the recipes pass them) against a server without it, over
-HTTP with the official client. Greedy output must be token-for-token the same (alone, among
+(n-gram, suffix and EAGLE-3 drafters, as the recipes pass them) against a server without it,
+over HTTP with the official client. The EAGLE-3 head is trained here by `sous draft train` on
+this file's prompts (a smoke run). Greedy output must be token-for-token the same (alone, among
 16 concurrent requests, under preemption, with stop strings, `min_tokens`, logprobs and
 structured output); the drafts must really be accepted (vLLM's counters in `/metrics`)."""
 
@@ -33,6 +34,8 @@ SPECS = {
     # The recipes' suffix config: per-request trees only.
     "suffix": {"method": "suffix", "num_speculative_tokens": 3,
                "suffix_decoding_max_cached_requests": 0},
+    # The recipes' EAGLE-3 config, with a head `sous draft train` wrote (`eagle3_head`).
+    "eagle3": {"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 3},
 }
 # 80 blocks of 16 tokens: 16 concurrent chats of ~200 tokens must preempt.
 SMALL_KV = ["--max-model-len", "1024", "--num-gpu-blocks-override", "80"]
@@ -46,12 +49,37 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI
         yield openai.OpenAI(base_url=url + "/v1", api_key="x")
 
 
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An EAGLE-3 head for the bundled model from a short `sous draft train` run on PROMPTS
+    (interrupted once and resumed, as a user would)."""
+    tmp = tmp_path_factory.mktemp("eagle3")
+    (tmp / "prompts.json").write_text(json.dumps(PROMPTS))
+    cmd = [sys.executable, "-m", "sous.cli", "draft", "train", "--out", str(tmp / "head"),
+           "--prompts", str(tmp / "prompts.json"), "--num-prompts", "4", "--max-tokens", "96",
+           "--batch-size", "2", "--save-every", "20", "--seed", "0"]
+    first = subprocess.run([*cmd, "--max-steps", "20"], capture_output=True, text=True,
+                           timeout=600, cwd=tmp)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "Training the EAGLE-3 head" in first.stderr and "20/20" in first.stderr
+    again = subprocess.run([*cmd, "--max-steps", "60"], capture_output=True, text=True,
+                           timeout=600, cwd=tmp)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming training at step 20 of 60" in again.stderr, again.stderr[-3000:]
+    assert "captured sequences" in again.stderr  # the data was not generated twice
+    assert "--speculative-config" in again.stdout
+    return tmp / "head"
+
+
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def spec(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[tuple[str, openai.OpenAI]]:
     """(base URL, client) of a server with the `request.param` drafter and a small KV cache."""
     log = tmp_path_factory.mktemp("spec") / f"{request.param}.log"
-    args = [*SMALL_KV, "--speculative-config", json.dumps(SPECS[request.param])]
+    config = dict(SPECS[request.param])
+    if config.get("model") == "HEAD":
+        config["model"] = str(request.getfixturevalue("eagle3_head"))
+    args = [*SMALL_KV, "--speculative-config", json.dumps(config)]
     with sous_serve(args, log, env=ENV) as url:
         yield url, openai.OpenAI(base_url=url + "/v1", api_key="x")
 
@@ -151,8 +179,11 @@ def test_structured_output_and_seeded_sampling(baseline, spec) -> None:
     ('{"method": "medusa2", "num_speculative_tokens": 3}', "unknown method 'medusa2'"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "not supported yet"),
     ('{"method": "eagle3", "model": "/x/eagle3", "num_speculative_tokens": 3}',
-     "not supported yet"),
+     "is not an EAGLE-3 draft checkpoint"),
+    ('{"method": "eagle3", "model": "/x/eagle3", "num_speculative_tokens": 0}',
+     "num_speculative_tokens must be in [1, 32], got 0"),
 ])
 def test_bad_speculative_config_exits_2_naming_it(config: str, needle: str, tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "sous.cli", "serve", "--speculative-config", config],

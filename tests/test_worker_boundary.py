@@ -24,6 +24,7 @@ from sous.engine.kv_cache.manager import KVCacheManager
 from sous.engine.request import Request, RequestStatus
 from sous.engine.scheduler import Scheduler
 from sous.engine.scheduler_output import SchedulerOutput
+from sous.engine.spec_decode.proposer import TargetStep
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:",
            "Once upon a time, in a small village,", "The sun rises in the",
@@ -229,17 +230,36 @@ def test_model_returns_aux_hidden_states(llm: LLM) -> None:
         captured.append(h if residual is None else h + residual)
         return type(layer).forward(layer, h, residual, *args)
 
+    steps: list[TargetStep] = []
+
+    class Recorder:
+        """A drafter that keeps each step's `TargetStep` and drafts nothing."""
+
+        uses_target_step = True
+
+        def propose(self, batch: object, sampled: object,
+                    target: TargetStep | None) -> dict[str, list[int]]:
+            assert target is not None
+            steps.append(target)
+            return {}
+
+        def finish(self, req_ids: set[str]) -> None:
+            pass
+
     ids = llm.get_tokenizer().encode("Hello there, general")
     plain = _decode_steps(llm, ids, 3)
     layer.forward = spy  # the model calls layer.forward directly: no module hooks
     runner.aux_hidden_state_layers = chosen
+    runner.proposer = Recorder()
     try:
         assert _decode_steps(llm, ids, 3) == plain
-        assert len(runner.aux_hidden_states) == 3
-        assert runner.aux_hidden_states[0].shape[-1] == runner.model.config.hidden_size
-        torch.testing.assert_close(runner.aux_hidden_states[1], captured[-1])
+        aux = steps[-1].aux_hidden_states
+        assert len(aux) == 3 and len(steps) >= 3
+        assert aux[0].shape == (len(steps[-1].inputs.token_ids), runner.model.config.hidden_size)
+        torch.testing.assert_close(aux[1], captured[-1])
     finally:
         runner.aux_hidden_state_layers = ()
+        runner.proposer = None
         del layer.forward
 
 

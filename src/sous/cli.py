@@ -1,4 +1,4 @@
-"""The `sous` command: serve | bench serve | recipe.
+"""The `sous` command: serve | bench serve | route | draft train | recipe.
 
 `sous serve [MODEL] [vLLM flags]` parses with `sous.config.engine_args` and starts
 `sous.server.api_server.run_server`; `sous bench serve` is the load generator in
@@ -22,6 +22,7 @@ _SUBCOMMANDS = {
     "bench": "`sous bench serve`: load generator against any OpenAI-compatible server.",
     "route": "llm-d router over sous/vLLM servers (prefix-aware, P/D): "
              "`sous route --config router-values.yaml --endpoint ROLE=URL ...`.",
+    "draft": "`sous draft train --out DIR`: distil an EAGLE-3 draft head for a model here.",
     "recipe": "Read, plan, check and launch vendor deployment recipes, and browse them: "
               "`sous recipe list|show|plan|check|launch|page`.",
 }
@@ -100,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(rest)
     if command == "bench":
         return _bench(rest)
+    if command == "draft":
+        from sous.draft.train import main as draft_main
+
+        return draft_main(rest)
     if command == "recipe":
         from sous.recipes.cli import main as recipe_main
 

@@ -164,14 +164,15 @@ def _speculative_problem(value: dict[str, Any] | None) -> str | None:
 
 
 def _drafts_from_hidden_states(value: dict[str, Any] | None) -> bool:
-    """An EAGLE / EAGLE-3 / MTP `--speculative-config` (not built yet; n-gram and suffix are)."""
+    """An EAGLE (1) or MTP `--speculative-config` (not built yet; n-gram, suffix and EAGLE-3
+    are)."""
     from sous.engine.spec_decode.config import resolve_speculative_config
 
     try:
         spec = resolve_speculative_config(value)
     except ValueError:  # reported by its check
         return False
-    return spec is not None and spec.use_eagle()
+    return spec is not None and spec.method in ("eagle", "mtp")
 
 
 def _structured_outputs_problem(value: dict[str, Any] | None) -> str | None:
@@ -218,8 +219,8 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
            "--distributed-executor-backend", "sous runs workers in processes (`mp`) or in the "
            "engine's process (`uni`)", "ray|external_launcher"),
     NotYet("speculative_config", _drafts_from_hidden_states, "--speculative-config",
-           "EAGLE, EAGLE-3 and MTP drafters are planned (methods ngram and suffix work)",
-           "eagle|eagle3|mtp"),
+           "EAGLE (1) and MTP drafters are planned (methods ngram, suffix and eagle3 work)",
+           "eagle|mtp"),
 )
 
 

@@ -111,11 +111,12 @@ class EngineCore:
         self.num_blocks = self._size_kv_cache(config, info)
         self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
         spec, cache = info.kv_cache_spec, config.cache
+        token_bytes = _bytes_per_token(info)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %d B/token) on %s, "
             "from %s; max_model_len %d; engine ready in %.1f s",
             self.num_blocks, cache.block_size, (self.num_blocks - 1) * cache.block_size,
-            self.num_blocks * spec.page_bytes(cache.block_size) / 2**30, spec.bytes_per_token,
+            self.num_blocks * token_bytes * cache.block_size / 2**30, token_bytes,
             self.device, budget_source(cache, self.device), self.max_model_len,
             time.monotonic() - start)
         self.publisher = self._make_publisher(config)
@@ -145,6 +146,7 @@ class EngineCore:
             assert spec.num_speculative_tokens is not None
             self.scheduler.spec_decoding = SpecDecodingStats(spec.num_speculative_tokens)
             self.scheduler.spec_disable_batch_size = spec.disable_by_batch_size
+            self.scheduler.num_lookahead_tokens = spec.num_lookahead_tokens
             self.spec_logger = SpecDecodingLogger(spec.num_speculative_tokens)
             logger.info("Speculative decoding: %s, up to %d draft tokens per step",
                         spec.method, spec.num_speculative_tokens)
@@ -155,7 +157,8 @@ class EngineCore:
         act = activation_bytes_estimate(hf.hidden_size, hf.vocab_size,
                                         config.scheduler.max_num_batched_tokens,
                                         config.scheduler.max_num_seqs)
-        num_blocks = num_kv_blocks(cache, info.kv_cache_spec, self.device, act)
+        num_blocks = num_kv_blocks(cache, _bytes_per_token(info) * cache.block_size,
+                                   self.device, act)
         check_max_model_len_fits(num_blocks, cache.block_size, self.max_model_len,
                                  budget_source(cache, self.device))
         return num_blocks
@@ -365,3 +368,9 @@ class EngineCore:
         self.executor.shutdown()
         if self.publisher is not None:
             self.publisher.close()
+
+
+def _bytes_per_token(info: ModelInfo) -> int:
+    """KV bytes per token: the model's layers and a drafter's own."""
+    draft = info.draft_kv_cache_spec
+    return info.kv_cache_spec.bytes_per_token + (0 if draft is None else draft.bytes_per_token)

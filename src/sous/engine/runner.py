@@ -41,7 +41,7 @@ from sous.engine.kv_cache.manager import cdiv
 from sous.engine.outputs import Logprob
 from sous.engine.sampler import sample
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from sous.engine.spec_decode.proposer import Proposer
+from sous.engine.spec_decode.proposer import Proposer, TargetStep
 from sous.engine.spec_decode.rejection_sampler import parse_output, rejection_sample
 from sous.engine.step_inputs import StepInputs, build_step_inputs
 from sous.kv_transfer.base import KVConnectorBase
@@ -74,6 +74,7 @@ class ModelRunner:
         max_model_len: int = 2048,
         eos_token_ids: list[int] | tuple[int, ...] = (),
         max_spec_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -82,15 +83,15 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         self.copy_slots = model.kv_cache_spec().copy_slots
         self.max_spec_tokens = max_spec_tokens
-        row_len = max_model_len + max_spec_tokens
+        row_len = max_model_len + max_spec_tokens + num_lookahead_tokens
         self.input_batch = InputBatch(max_num_reqs, row_len, cdiv(row_len, block_size))
         self.requests: dict[str, CachedRequestState] = {}
         self.proposer: Proposer | None = None
         self.connector: KVConnectorBase | None = None
         self.kv_hooks: KVLayerHooks | None = None
         self.aux_hidden_state_layers: tuple[int, ...] = ()
-        self.aux_hidden_states: list[torch.Tensor] = []
-        """The last step's hidden states of `aux_hidden_state_layers` (when set)."""
+        self._target_step: TargetStep | None = None
+        """The last batched forward pass, for a proposer that `uses_target_step`."""
         torch.manual_seed(seed)
 
     # ---------------------------------------------------------------- request states
@@ -185,6 +186,7 @@ class ModelRunner:
             result.merge(self._execute(req_ids, so))
             return self._propose(result)
         except Exception as e:
+            self._target_step = None
             if is_device_fault(e):
                 raise
             if len(req_ids) == 1:
@@ -203,15 +205,17 @@ class ModelRunner:
                 if is_device_fault(e):
                     raise
                 _fail(result, rid, e, "step")
+        self._target_step = None  # the drafter's positions need the whole step at once
         return self._propose(result)
 
     def _propose(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
         """The next step's drafts of the requests that sampled (module docstring)."""
-        if self.proposer is None or not result.sampled_token_ids:
+        proposer, target, self._target_step = self.proposer, self._target_step, None
+        if proposer is None or not (result.sampled_token_ids or proposer.uses_target_step):
             return result
         try:
-            result.spec_token_ids = self.proposer.propose(self.input_batch,
-                                                          result.sampled_token_ids)
+            result.spec_token_ids = proposer.propose(self.input_batch, result.sampled_token_ids,
+                                                     target)
         except Exception as e:
             if is_device_fault(e):
                 raise
@@ -227,7 +231,7 @@ class ModelRunner:
         meta = self._attention_metadata(inputs)
         meta.kv_hooks = self.kv_hooks
         ids = torch.from_numpy(inputs.token_ids).to(self.device)
-        hidden = self._forward(ids, meta)
+        hidden = self._forward(ids, meta, inputs)
         result = ModelRunnerOutput()
         if not len(inputs.logits_indices):
             return result
@@ -239,13 +243,14 @@ class ModelRunner:
             self._sample(inputs, logits, so, result)
         return result
 
-    def _forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, meta: AttentionMetadata,
+                 inputs: StepInputs) -> torch.Tensor:
         positions = meta.positions
         if not self.aux_hidden_state_layers:
             return self.model(ids, positions, self.kv_caches, meta)
-        hidden, self.aux_hidden_states = self.model(
-            ids, positions, self.kv_caches, meta,
-            aux_hidden_state_layers=self.aux_hidden_state_layers)
+        hidden, aux = self.model(ids, positions, self.kv_caches, meta,
+                                 aux_hidden_state_layers=self.aux_hidden_state_layers)
+        self._target_step = TargetStep(inputs, aux)
         return hidden
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:

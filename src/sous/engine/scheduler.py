@@ -102,6 +102,9 @@ class Scheduler:
         """Waiting requests whose KV an asynchronous load put in their blocks."""
         self.spec_decoding: SpecDecodingStats | None = None
         """Acceptance counters, set by the engine when speculative decoding is on."""
+        self.num_lookahead_tokens = 0
+        """KV slots allocated beyond each request's scheduled tokens, for a drafter that
+        writes its own KV ahead of the model (EAGLE-3: k)."""
         self.spec_disable_batch_size: int | None = None
         """`disable_by_batch_size`: no drafts are scheduled while more requests than this
         are running or waiting."""
@@ -186,7 +189,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, n) is None:
+            while self.kv.allocate_slots(
+                    request, n, num_lookahead_tokens=self.num_lookahead_tokens) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
@@ -217,7 +221,8 @@ class Scheduler:
                     break
                 continue
             n = self._num_new_tokens(request, num_hit_tokens + num_external, budget)
-            if self.kv.allocate_slots(request, n, computed, num_external) is None:
+            if self.kv.allocate_slots(request, n, computed, num_external,
+                                      num_lookahead_tokens=self.num_lookahead_tokens) is None:
                 break
             if request.request_id in self._loaded:
                 self._loaded.discard(request.request_id)

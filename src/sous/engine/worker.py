@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sous.config.engine import EngineConfig
+from sous.config.errors import ConfigError
 from sous.engine.cpu_threads import CpuBinding, apply_cpu_threads
 from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -53,6 +54,9 @@ class ModelInfo:
     """The model's KV layout with --kv-cache-dtype applied (sizes the cache)."""
     device: str
     quantization: str | None = None
+    draft_kv_cache_spec: Any = None
+    """The drafter's own KV layers (EAGLE-3), allocated beside the model's (sizes the cache
+    with it); None without one."""
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,12 +89,34 @@ class Worker:
             logger.info("KV cache dtype %s: %d per-layer scales from the checkpoint (others 1.0)",
                         cache.kv_cache_dtype, n)
         self.kv_cache_spec = spec
+        self.spec_config = resolve_speculative_config(self.config.speculative_config)
+        self.draft: Any = None
+        draft_spec = None
+        if self.spec_config is not None and self.spec_config.method == "eagle3":
+            self.draft, self.aux_layers = self._load_eagle3(loaded)
+            draft_spec = with_cache_dtype(self.draft.kv_cache_spec(), cache.kv_cache_dtype)
+        self.draft_kv_cache_spec = draft_spec
         return ModelInfo(
             tokenizer=loaded.tokenizer, hf_config=loaded.hf_config,
             served_model_name=loaded.served_model_name,
             max_position_embeddings=loaded.max_position_embeddings,
             eos_token_ids=list(loaded.eos_token_ids), model_path=loaded.model_path,
-            kv_cache_spec=spec, device=str(self.device), quantization=loaded.quantization)
+            kv_cache_spec=spec, device=str(self.device), quantization=loaded.quantization,
+            draft_kv_cache_spec=draft_spec)
+
+    def _load_eagle3(self, loaded: LoadedModel) -> tuple[Any, tuple[int, ...]]:
+        from sous.models.llama_eagle3 import load_eagle3_draft
+
+        assert self.spec_config is not None and self.spec_config.model is not None
+        if not hasattr(loaded.model, "model") or not hasattr(loaded.model.model, "embed_tokens"):
+            raise ConfigError(f"--speculative-config: method 'eagle3' needs a Llama-family "
+                              f"target; {type(loaded.model).__name__} returns no aux hidden "
+                              "states")
+        draft, aux = load_eagle3_draft(self.spec_config.model, loaded.model, loaded.hf_config,
+                                       self.device)
+        logger.info("EAGLE-3 draft head %s: reads the target's layers %s", self.spec_config.model,
+                    list(aux))
+        return draft, aux
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the KV cache (zeroed, so its memory is held) and build the runner."""
@@ -99,13 +125,22 @@ class Worker:
         assert self.loaded is not None, "load_model() first"
         cache = self.config.cache
         kv_caches = self.kv_cache_spec.allocate(num_blocks, cache.block_size, self.device)
-        spec = resolve_speculative_config(self.config.speculative_config)
+        spec = self.spec_config
+        k = (spec.num_speculative_tokens or 0) if spec else 0
         self.runner = ModelRunner(
             self.loaded.model, kv_caches, cache.block_size, self.device,
             seed=self.config.model.seed, max_num_reqs=self.config.scheduler.max_num_seqs,
             max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids),
-            max_spec_tokens=(spec.num_speculative_tokens or 0) if spec else 0)
-        if spec is not None:
+            max_spec_tokens=k, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
+        if self.draft is not None:
+            from sous.engine.spec_decode.eagle_proposer import Eagle3Proposer
+
+            (draft_cache,) = self.draft_kv_cache_spec.allocate(num_blocks, cache.block_size,
+                                                               self.device)
+            self.runner.aux_hidden_state_layers = self.aux_layers
+            self.runner.proposer = Eagle3Proposer(self.draft, draft_cache, cache.block_size, k,
+                                                  max_model_len, self.device)
+        elif spec is not None:
             self.runner.proposer = make_proposer(spec, max_model_len)
         if self.config.kv_transfer_config is not None:
             connector = make_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_spec,

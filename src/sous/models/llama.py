@@ -12,6 +12,7 @@ Hot path: submodules are called through `.forward` directly, skipping `nn.Module
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -162,8 +163,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = LlamaModel(hf_config, self.head_dim, dtype)
         self.lm_head: nn.Module = _Unloaded()
-        self._stack: Any = False
-        """`_layer_stack`'s cache: False until built (then the stack or None)."""
+        self._stacks: dict[tuple[int, ...], list[tuple[int, int, Any]] | None] = {}
+        """`_layer_stacks`' cache, per set of aux layers."""
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(
@@ -182,18 +183,15 @@ class LlamaForCausalLM(nn.Module):
         aux_hidden_state_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """With `aux_hidden_state_layers`, also returns the residual stream entering each of
-        those layers (`[T, H]` each, in that order), as EAGLE-3 drafts read it."""
+        those layers (`[T, H]` each, in layer order), as EAGLE-3 drafts read it."""
         m = self.model
         h = m.embed_tokens.forward(input_ids)
-        if not aux_hidden_state_layers and h.dtype == self.dtype and stack_runs(attn_metadata, h):
-            stack = self._layer_stack()
-            if stack is not None:
-                meta = attn_metadata
-                h, residual = stack.forward(
-                    h, kv_caches, m.rotary.cos, m.rotary.sin, positions, meta.slot_mapping,
-                    meta.q_starts, meta.query_lens, meta.seq_lens, meta.block_tables,
-                    meta.block_size)
-                return m.norm.forward(h, residual)[0]
+        if h.dtype == self.dtype and stack_runs(attn_metadata, h):
+            aux_layers = tuple(sorted(set(aux_hidden_state_layers)))
+            stacks = self._layer_stacks(aux_layers)
+            if stacks is not None:
+                return self._forward_stacks(stacks, h, positions, kv_caches, attn_metadata,
+                                            aux_layers)
         rope = m.rotary.step(positions)
         residual = None
         aux: list[torch.Tensor] = []
@@ -204,12 +202,39 @@ class LlamaForCausalLM(nn.Module):
         h, _ = m.norm.forward(h, residual)
         return (h, aux) if aux_hidden_state_layers else h
 
-    def _layer_stack(self) -> Any | None:
-        """The layers as one C++ call (`sous.models.llama_stack`), built on first use; None
-        when they do not qualify."""
-        if self._stack is False:
-            self._stack = build_llama_stack(self)
-        return self._stack
+    def _forward_stacks(self, stacks: list[tuple[int, int, Any]], h: torch.Tensor,
+                        positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                        meta: AttentionMetadata, aux_layers: tuple[int, ...],
+                        ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` through C++ stacks of consecutive layers; every stack after the first
+        starts at an aux layer, whose input stream `h + residual` it takes as `h`."""
+        m = self.model
+        residual: torch.Tensor | None = None
+        aux: list[torch.Tensor] = []
+        for start, end, stack in stacks:
+            if start in aux_layers:
+                h = h if residual is None else h + residual
+                residual = None
+                aux.append(h)
+            h, residual = stack.forward(
+                h, kv_caches[start:end], m.rotary.cos, m.rotary.sin, positions,
+                meta.slot_mapping, meta.q_starts, meta.query_lens, meta.seq_lens,
+                meta.block_tables, meta.block_size)
+        h = m.norm.forward(h, residual)[0]
+        return (h, aux) if aux_layers else h
+
+    def _layer_stacks(self, aux_layers: tuple[int, ...]) -> list[tuple[int, int, Any]] | None:
+        """The layers as C++ calls (`sous.models.llama_stack`): one, or one per run between
+        aux layers; `(start, end, stack)` each, built on first use. None when they do not
+        qualify."""
+        if aux_layers not in self._stacks:
+            bounds = [b for b in aux_layers if b > 0]
+            edges = [0, *bounds, self.config.num_hidden_layers]
+            built = [(a, b, build_llama_stack(self, a, b))
+                     for a, b in itertools.pairwise(edges) if b > a]
+            ok = all(stack is not None for _, _, stack in built)
+            self._stacks[aux_layers] = built if ok else None
+        return self._stacks[aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.forward(hidden).float()

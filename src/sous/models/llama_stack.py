@@ -30,15 +30,17 @@ def fused_layers_enabled() -> bool:
     return os.environ.get(FUSED_ENV, "1").strip() not in ("0", "false", "no", "off")
 
 
-def build_llama_stack(model: Any) -> Any | None:
-    """The `LlamaStack` of a `LlamaForCausalLM`, or None when a layer does not qualify
-    (another linear kind, norm weights in another dtype, no C++ ops, not on the CPU)."""
+def build_llama_stack(model: Any, start: int = 0, end: int | None = None) -> Any | None:
+    """The `LlamaStack` of a `LlamaForCausalLM`'s layers `start:end` (all by default), or
+    None when a layer does not qualify (another linear kind, norm weights in another dtype,
+    no C++ ops, not on the CPU). A stack starting past layer 0 takes the residual stream
+    `h + residual` as its input `h`."""
     m = model.model
     ops = cpu_ops(m.norm.weight.device)
     if ops is None or not fused_layers_enabled() or model.dtype not in _DTYPES:
         return None
     stack = ops.LlamaStack()
-    for layer in m.layers:
+    for layer in m.layers[start:end]:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)

@@ -16,7 +16,6 @@ import torch
 from sous.config.cache import CacheConfig
 from sous.config.errors import ConfigError
 from sous.engine.kv_cache.manager import cdiv
-from sous.engine.kv_cache.spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +63,12 @@ def kv_cache_budget_bytes(cache: CacheConfig, device: torch.device, activation_b
     return budget
 
 
-def num_kv_blocks(cache: CacheConfig, spec: KVCacheSpec, device: torch.device,
+def num_kv_blocks(cache: CacheConfig, page: int, device: torch.device,
                   activation_bytes: int) -> int:
+    """Blocks of `page` bytes (one block across every KV layer) the budget holds."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     budget = kv_cache_budget_bytes(cache, device, activation_bytes)
-    page = spec.page_bytes(cache.block_size)
     blocks = budget // page
     if blocks < 2:
         raise ConfigError(

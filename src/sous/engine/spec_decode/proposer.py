@@ -15,21 +15,40 @@ one token per step, as without speculation; their output is the same either way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from sous.engine.input_batch import InputBatch
 from sous.engine.spec_decode.config import SpeculativeConfig
 from sous.engine.spec_decode.ngram_proposer import NgramProposer
+from sous.engine.step_inputs import StepInputs
+
+
+@dataclass
+class TargetStep:
+    """The target's forward pass of the step just run, for drafters that read its hidden
+    states (`Proposer.uses_target_step`): its inputs (flattened token order) and the hidden
+    states of the runner's `aux_hidden_state_layers`, `[T, H]` each."""
+
+    inputs: StepInputs
+    aux_hidden_states: list[torch.Tensor]
 
 
 class Proposer(Protocol):
-    """Drafts speculative tokens after a step (n-gram, suffix; EAGLE and MTP plug in here)."""
+    """Drafts speculative tokens after a step (n-gram, suffix, EAGLE-3)."""
 
-    def propose(self, batch: InputBatch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+    uses_target_step: bool
+    """Called after every step with its `TargetStep` (even when nothing sampled: the drafter
+    keeps per-position state), not only after steps that sampled."""
+
+    def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
+                target: TargetStep | None) -> dict[str, list[int]]:
         """Drafts (1..k tokens; absent: no draft) for the requests of `sampled` (rows of
-        `batch`, with the tokens this step appended to them)."""
+        `batch`, with the tokens this step appended to them). `target`: the step's forward
+        pass when `uses_target_step` (None when the step was re-run request by request)."""
         ...
 
     def finish(self, req_ids: set[str]) -> None:
@@ -51,13 +70,16 @@ def draftable(batch: InputBatch, req_ids: list[str]) -> tuple[list[str], np.ndar
 class NgramDrafter:
     """`ngram`: prompt lookup over each request's tokens so far (`NgramProposer`)."""
 
+    uses_target_step = False
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         assert config.num_speculative_tokens is not None
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                                    config.num_speculative_tokens, max_model_len)
 
-    def propose(self, batch: InputBatch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+    def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
+                target: TargetStep | None = None) -> dict[str, list[int]]:
         ids, rows = draftable(batch, list(sampled))
         if not ids:
             return {}
@@ -70,7 +92,8 @@ class NgramDrafter:
 
 
 def make_proposer(config: SpeculativeConfig, max_model_len: int) -> Proposer:
-    """The drafter for `config.method` (ConfigError from a suffix drafter that cannot load)."""
+    """The drafter for `ngram` / `suffix` (ConfigError from a suffix drafter that cannot
+    load). Drafters with a model of their own are built by the worker, which loads it."""
     if config.method == "ngram":
         return NgramDrafter(config, max_model_len)
     if config.method == "suffix":

@@ -21,11 +21,13 @@ import numpy as np
 from sous.config.errors import ConfigError
 from sous.engine.input_batch import InputBatch
 from sous.engine.spec_decode.config import FLAG, SpeculativeConfig
-from sous.engine.spec_decode.proposer import draftable
+from sous.engine.spec_decode.proposer import TargetStep, draftable
 
 
 class SuffixProposer:
     """Suffix-tree drafter (`--speculative-config '{"method": "suffix", ...}'`)."""
+
+    uses_target_step = False
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         try:
@@ -44,7 +46,8 @@ class SuffixProposer:
             max_tree_depth=config.suffix_decoding_max_tree_depth,
             max_cached_requests=config.suffix_decoding_max_cached_requests)
 
-    def propose(self, batch: InputBatch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+    def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
+                target: TargetStep | None = None) -> dict[str, list[int]]:
         cache = self.cache
         for rid, tokens in sampled.items():
             if rid in cache.active_requests:
