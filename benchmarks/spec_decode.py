@@ -1,15 +1,19 @@
-"""Speculative decoding: output throughput with n-gram and suffix drafts against no drafts, on
-the bundled SmolLM2-135M, one stream and 16 at once. Prints JSON.
+"""Speculative decoding: output throughput with n-gram, suffix and EAGLE-3 drafts against no
+drafts, on the bundled SmolLM2-135M, one stream and 16 at once. Prints JSON.
 
-    python benchmarks/spec_decode.py [--methods off,ngram,suffix] [--concurrency 1,16]
+    python benchmarks/spec_decode.py [--methods off,ngram,suffix,eagle3] [--concurrency 1,16]
+                                     [--eagle3-head DIR] [--workloads code,essay,chat]
                                      [--rounds 3] [--max-tokens 160] [--output F]
 
-One `sous serve` per method (the same flags otherwise), greedy chat requests, two workloads:
+`eagle3` needs `--eagle3-head`, a head `sous draft train --out DIR` wrote. One `sous serve` per
+method (the same flags otherwise), greedy chat requests, three workloads:
 
 - `code`: "rewrite this Python module with type hints": the answer repeats much of the prompt,
   the case n-gram and suffix drafting are for (code edits, RAG, agents re-reading files);
 - `essay`: the `sous bench serve` essay prompt: open-ended text with little to copy, where
-  drafts are mostly rejected and their cost shows.
+  drafts are mostly rejected and their cost shows;
+- `chat`: short assistant questions on topics `sous draft train`'s corpus does not hold (what
+  a trained EAGLE-3 head is for).
 
 Per method, workload and concurrency level, `--rounds` rounds of fresh prompts (one warm-up
 round first); each round's output tok/s is completion tokens over wall time. Reported: the
@@ -70,10 +74,22 @@ def essay_prompt(rng: random.Random) -> str:
     return (f"Write a long essay about {topic}. Cover each of these words in turn: {words}.")
 
 
-WORKLOADS = {"code": code_prompt, "essay": essay_prompt}
+CHAT_TOPICS = ["a refrigerator", "the tides", "a compass", "yeast", "an elevator", "rainbows",
+               "a thermostat", "bamboo", "a lighthouse", "snowflakes", "a microwave oven",
+               "hummingbirds", "a submarine", "soap", "a windmill", "fireflies"]
+CHAT_TASKS = ["How does {t} work?", "Tell me about {t}.", "Why is {t} useful?",
+              "Describe {t} in simple words."]
+
+
+def chat_prompt(rng: random.Random) -> str:
+    return rng.choice(CHAT_TASKS).format(t=rng.choice(CHAT_TOPICS))
+
+
+WORKLOADS = {"code": code_prompt, "essay": essay_prompt, "chat": chat_prompt}
 
 
 def start_server(work: Path, method: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """`sous serve` with `METHODS[method]` (set `METHODS["eagle3"]` first for a head)."""
     log = work / f"{method}.log"
     port = free_port()
     cmd = [sys.executable, "-m", "sous.cli", "serve", "--port", str(port)]
@@ -119,7 +135,8 @@ def one_round(base: str, prompts: list[str], concurrency: int, max_tokens: int
 
 def run_method(base: str, args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for workload, make in WORKLOADS.items():
+    for workload in args.workloads:
+        make = WORKLOADS[workload]
         for conc in args.concurrency:
             rng = random.Random(f"{workload}-{conc}")
             n = max(conc, 4)
@@ -147,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--methods", default="off,ngram,suffix",
-                   help=f"comma list of {','.join(METHODS)}; off is always measured")
+                   help=f"comma list of {','.join(METHODS)},eagle3; off is always measured")
+    p.add_argument("--eagle3-head", type=Path, help="EAGLE-3 head folder (method eagle3)")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
+                   help=f"comma list of {','.join(WORKLOADS)}")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 16])
     p.add_argument("--rounds", type=int, default=3)
@@ -157,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path)
     args = p.parse_args(argv)
     methods = ["off"] + [m for m in args.methods.split(",") if m != "off"]
+    if args.eagle3_head is not None:
+        METHODS["eagle3"] = {"method": "eagle3", "model": str(args.eagle3_head.resolve()),
+                             "num_speculative_tokens": 3}
+    elif "eagle3" in methods:
+        p.error("method eagle3 needs --eagle3-head DIR (from `sous draft train --out DIR`)")
+    if any(w not in WORKLOADS for w in args.workloads):
+        p.error(f"--workloads: known ones are {', '.join(WORKLOADS)}")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         p.error(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")

@@ -70,7 +70,7 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
     (["--reasoning-parser", "minimax_m2"], True),
     (["--kv-transfer-config", _KV_BOTH], True),
     (["--kv-events-config", _EVENTS], True),
-    (["--speculative-config", _EAGLE], False),
+    (["--speculative-config", _EAGLE], True),
     (["--speculative-config", _SUFFIX], True),
 ]
 

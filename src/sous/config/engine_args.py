@@ -163,8 +163,8 @@ def _speculative_problem(value: dict[str, Any] | None) -> str | None:
     return None
 
 
-def _drafts_from_hidden_states(value: dict[str, Any] | None) -> bool:
-    """An EAGLE (1) or MTP `--speculative-config` (not built yet; n-gram, suffix and EAGLE-3
+def _eagle1(value: dict[str, Any] | None) -> bool:
+    """An EAGLE (1) `--speculative-config` (not built yet; n-gram, suffix, EAGLE-3 and MTP
     are)."""
     from sous.engine.spec_decode.config import resolve_speculative_config
 
@@ -172,7 +172,7 @@ def _drafts_from_hidden_states(value: dict[str, Any] | None) -> bool:
         spec = resolve_speculative_config(value)
     except ValueError:  # reported by its check
         return False
-    return spec is not None and spec.method in ("eagle", "mtp")
+    return spec is not None and spec.method == "eagle"
 
 
 def _structured_outputs_problem(value: dict[str, Any] | None) -> str | None:
@@ -218,9 +218,9 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("distributed_executor_backend", lambda v: v in ("ray", "external_launcher"),
            "--distributed-executor-backend", "sous runs workers in processes (`mp`) or in the "
            "engine's process (`uni`)", "ray|external_launcher"),
-    NotYet("speculative_config", _drafts_from_hidden_states, "--speculative-config",
-           "EAGLE (1) and MTP drafters are planned (methods ngram, suffix and eagle3 work)",
-           "eagle|mtp"),
+    NotYet("speculative_config", _eagle1, "--speculative-config",
+           "EAGLE (1) heads are planned (methods ngram, suffix, eagle3 and mtp work)",
+           "eagle"),
 )
 
 

@@ -34,7 +34,6 @@ from sous.engine.runner import ModelRunner
 from sous.engine.sampling_params import SamplingParams
 from sous.engine.scheduler import Scheduler, SchedulerStats
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from sous.engine.spec_decode.config import resolve_speculative_config
 from sous.engine.spec_decode.metrics import SpecDecodingLogger, SpecDecodingStats
 from sous.engine.structured_output.manager import StructuredOutputManager
 from sous.engine.validation import (
@@ -141,7 +140,7 @@ class EngineCore:
         self.scheduler.gates.append(self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.spec_logger: SpecDecodingLogger | None = None
-        spec = resolve_speculative_config(config.speculative_config)
+        spec = info.speculative_config
         if spec is not None:
             assert spec.num_speculative_tokens is not None
             self.scheduler.spec_decoding = SpecDecodingStats(spec.num_speculative_tokens)

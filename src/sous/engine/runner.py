@@ -18,8 +18,8 @@ Seams for the features built on it:
   sampling: greedy requests get exactly their argmax run);
 - `aux_hidden_state_layers`: the model also returns those layers' hidden states (EAGLE-3);
 - `proposer` (`sous.engine.spec_decode.proposer`): after sampling, drafts tokens for the
-  next step (`ModelRunnerOutput.spec_token_ids`); a proposer that raises costs that step's
-  drafts only;
+  next step (`ModelRunnerOutput.spec_token_ids`), from the step's `TargetStep` (its hidden
+  states) when it `uses_target_step`; a proposer that raises costs that step's drafts only;
 - `connector`: a KV connector's worker side (`sous.kv_transfer.base`): loads before the
   forward pass (a request whose load comes up short sits the step out, reported in
   `ModelRunnerOutput.kv_load_errors`) and saves after it;
@@ -245,12 +245,16 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, meta: AttentionMetadata,
                  inputs: StepInputs) -> torch.Tensor:
+        """The model's hidden states; keeps the pass for a proposer that `uses_target_step`."""
         positions = meta.positions
-        if not self.aux_hidden_state_layers:
-            return self.model(ids, positions, self.kv_caches, meta)
-        hidden, aux = self.model(ids, positions, self.kv_caches, meta,
-                                 aux_hidden_state_layers=self.aux_hidden_state_layers)
-        self._target_step = TargetStep(inputs, aux)
+        aux: list[torch.Tensor] = []
+        if self.aux_hidden_state_layers:
+            hidden, aux = self.model(ids, positions, self.kv_caches, meta,
+                                     aux_hidden_state_layers=self.aux_hidden_state_layers)
+        else:
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+        if self.proposer is not None and self.proposer.uses_target_step:
+            self._target_step = TargetStep(inputs, aux, hidden)
         return hidden
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:

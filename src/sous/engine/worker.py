@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,8 +56,10 @@ class ModelInfo:
     device: str
     quantization: str | None = None
     draft_kv_cache_spec: Any = None
-    """The drafter's own KV layers (EAGLE-3), allocated beside the model's (sizes the cache
-    with it); None without one."""
+    """The drafter's own KV layers (EAGLE-3, MTP), allocated beside the model's (sizes the
+    cache with it); None without one."""
+    speculative_config: Any = None
+    """`--speculative-config` resolved against the loaded drafter (k filled in); None: off."""
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -92,8 +95,10 @@ class Worker:
         self.spec_config = resolve_speculative_config(self.config.speculative_config)
         self.draft: Any = None
         draft_spec = None
-        if self.spec_config is not None and self.spec_config.method == "eagle3":
-            self.draft, self.aux_layers = self._load_eagle3(loaded)
+        self.aux_layers: tuple[int, ...] = ()
+        if self.spec_config is not None and self.spec_config.use_eagle():
+            self.draft, n_predict = self._load_drafter(loaded)
+            self.spec_config = self.spec_config.with_draft_n_predict(n_predict)
             draft_spec = with_cache_dtype(self.draft.kv_cache_spec(), cache.kv_cache_dtype)
         self.draft_kv_cache_spec = draft_spec
         return ModelInfo(
@@ -102,21 +107,36 @@ class Worker:
             max_position_embeddings=loaded.max_position_embeddings,
             eos_token_ids=list(loaded.eos_token_ids), model_path=loaded.model_path,
             kv_cache_spec=spec, device=str(self.device), quantization=loaded.quantization,
-            draft_kv_cache_spec=draft_spec)
+            draft_kv_cache_spec=draft_spec, speculative_config=self.spec_config)
 
-    def _load_eagle3(self, loaded: LoadedModel) -> tuple[Any, tuple[int, ...]]:
+    def _load_drafter(self, loaded: LoadedModel) -> tuple[Any, int | None]:
+        """The `DraftModel` of an `eagle3` / `mtp` config and its `n_predict` (None: unknown);
+        sets `aux_layers` for EAGLE-3. ConfigError naming the field when it does not fit."""
+        spec = self.spec_config
+        assert spec is not None
+        if spec.method == "mtp":
+            from sous.engine.spec_decode.mtp import MTPDrafter
+
+            if spec.model is not None and Path(spec.model).expanduser().resolve() != Path(
+                    loaded.model_path).resolve():
+                raise ConfigError(f"--speculative-config: method 'mtp' with model "
+                                  f"{spec.model!r}: a separate MTP checkpoint is not supported "
+                                  "yet (leave 'model' out to use the served model's modules)")
+            drafter = MTPDrafter(loaded.model)
+            return drafter, drafter.n_predict
+        from sous.models.llama import LlamaForCausalLM
         from sous.models.llama_eagle3 import load_eagle3_draft
 
-        assert self.spec_config is not None and self.spec_config.model is not None
-        if not hasattr(loaded.model, "model") or not hasattr(loaded.model.model, "embed_tokens"):
+        assert spec.model is not None
+        if not isinstance(loaded.model, LlamaForCausalLM):
             raise ConfigError(f"--speculative-config: method 'eagle3' needs a Llama-family "
                               f"target; {type(loaded.model).__name__} returns no aux hidden "
                               "states")
-        draft, aux = load_eagle3_draft(self.spec_config.model, loaded.model, loaded.hf_config,
-                                       self.device)
-        logger.info("EAGLE-3 draft head %s: reads the target's layers %s", self.spec_config.model,
-                    list(aux))
-        return draft, aux
+        draft, self.aux_layers = load_eagle3_draft(spec.model, loaded.model, loaded.hf_config,
+                                                   self.device)
+        logger.info("EAGLE-3 draft head %s: reads the target's layers %s", spec.model,
+                    list(self.aux_layers))
+        return draft, getattr(draft.config, "n_predict", None)
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the KV cache (zeroed, so its memory is held) and build the runner."""
@@ -133,13 +153,13 @@ class Worker:
             max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids),
             max_spec_tokens=k, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
         if self.draft is not None:
-            from sous.engine.spec_decode.eagle_proposer import Eagle3Proposer
+            from sous.engine.spec_decode.eagle_proposer import EagleProposer
 
-            (draft_cache,) = self.draft_kv_cache_spec.allocate(num_blocks, cache.block_size,
-                                                               self.device)
+            draft_caches = self.draft_kv_cache_spec.allocate(num_blocks, cache.block_size,
+                                                             self.device)
             self.runner.aux_hidden_state_layers = self.aux_layers
-            self.runner.proposer = Eagle3Proposer(self.draft, draft_cache, cache.block_size, k,
-                                                  max_model_len, self.device)
+            self.runner.proposer = EagleProposer(self.draft, draft_caches, cache.block_size, k,
+                                                 max_model_len, self.device)
         elif spec is not None:
             self.runner.proposer = make_proposer(spec, max_model_len)
         if self.config.kv_transfer_config is not None:

@@ -117,6 +117,18 @@ class Eagle3LlamaForCausalLM(nn.Module):
         ids = self.lm_head.forward(hidden).argmax(dim=-1)
         return ids if self.d2t is None else self.d2t[ids]
 
+    # `DraftModel` (sous.engine.spec_decode.eagle_proposer): every step is the same head.
+    def first_hidden(self, target: Any, index: torch.Tensor) -> torch.Tensor:
+        return self.combine_hidden_states([a[index] for a in target.aux_hidden_states])
+
+    def forward_step(self, j: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                     hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forward(input_ids, positions, hidden, kv_caches[0], meta)
+
+    def draft_tokens(self, j: int, out: torch.Tensor) -> torch.Tensor:
+        return self.draft_argmax(out)
+
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: dict[str, torch.Tensor], target: nn.Module,
                      target_vocab_size: int) -> None:

@@ -1,23 +1,26 @@
-"""`eagle3`: drafts from the target's hidden states with an EAGLE-3 head (vLLM's proposal).
+"""`EagleProposer`: drafts from the target's hidden states (EAGLE-3 heads, MTP modules), as
+vLLM's EAGLE proposer does, over a `DraftModel` that says how the drafter computes.
 
-After each target step the head runs over every position the target computed and kept (a
-verified request's accepted tokens, a prefill chunk in full): at position i its input is the
-token at i + 1 (for the last position of a request that sampled, the token just sampled) and
-`fc(aux hidden states at i)`, and it writes its own KV cache layer at i with the target's block
-table. Requests that sampled and may be drafted for (`draftable`) then draft greedily: the
-argmax at their last position is draft 1; each further draft feeds the previous draft and the
-head's pre-norm hidden state one position on, writing the head's KV into the lookahead slots
-the scheduler allocated (`SpeculativeConfig.num_lookahead_tokens`). A request stops drafting
-where its allocated blocks or `max_model_len` end.
+After each target step the drafter runs (step 0) over every position the target computed and
+kept (a verified request's accepted tokens, a prefill chunk in full): at position i its input
+is the token at i + 1 (for the last position of a request that sampled, the token just
+sampled) and the target's hidden state at i (`DraftModel.first_hidden`), and it writes its own
+KV cache at i with the target's block table. Requests that sampled and may be drafted for
+(`draftable`) then draft greedily: the argmax at their last position is draft 1; draft j + 1
+feeds draft j and the drafter's step-j hidden state one position on (step j), writing the
+drafter's KV into the lookahead slots the scheduler allocated
+(`SpeculativeConfig.num_lookahead_tokens`). A request stops drafting where its allocated
+blocks or `max_model_len` end.
 
-The head's KV at a position is rewritten by the next step whenever the target revisits it
-(rejected drafts' positions are recomputed), so every draft reads the head's KV of accepted
+The drafter's KV at a position is rewritten by the next step whenever the target revisits it
+(rejected drafts' positions are recomputed), so every draft reads the drafter's KV of accepted
 tokens and of its own earlier drafts only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,13 +28,32 @@ import torch
 from sous.engine.attention import AttentionMetadata
 from sous.engine.input_batch import InputBatch
 from sous.engine.spec_decode.proposer import TargetStep, draftable
-from sous.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+
+class DraftModel(Protocol):
+    """How a drafter computes (EAGLE-3 head: `sous.models.llama_eagle3`; MTP modules:
+    `sous.engine.spec_decode.mtp`). Step j's `kv_caches` are the drafter's own layers."""
+
+    def first_hidden(self, target: TargetStep, index: torch.Tensor) -> torch.Tensor:
+        """Step 0's hidden input `[N, H]` from the target's step at token indices `index`."""
+        ...
+
+    def forward_step(self, j: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                     hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step j over `[T]` tokens: (output for `draft_tokens`, hidden input of step j + 1)."""
+        ...
+
+    def draft_tokens(self, j: int, out: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens (target ids) `[N]` from step j's outputs `[N, ...]`."""
+        ...
 
 
 @dataclass
 class _Chains:
     """Requests drafting this step: ids, batch rows, the last position of each, and per
-    request the pre-norm hidden state and draft token of that position (device tensors)."""
+    request the drafter's next hidden input and draft token of that position (device
+    tensors)."""
 
     req_ids: list[str]
     rows: np.ndarray
@@ -40,16 +62,16 @@ class _Chains:
     tokens: torch.Tensor
 
 
-class Eagle3Proposer:
-    """See the module docstring. Owns the head's KV cache layer `kv_cache` (block layout and
-    block ids shared with the target's cache)."""
+class EagleProposer:
+    """See the module docstring. Owns the drafter's KV cache layers `kv_caches` (block layout
+    and block ids shared with the target's cache)."""
 
     uses_target_step = True
 
-    def __init__(self, head: Eagle3LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+    def __init__(self, model: DraftModel, kv_caches: list[torch.Tensor], block_size: int,
                  num_speculative_tokens: int, max_model_len: int, device: torch.device) -> None:
-        self.head = head
-        self.kv_cache = kv_cache
+        self.model = model
+        self.kv_caches = kv_caches
         self.block_size = block_size
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -70,7 +92,7 @@ class Eagle3Proposer:
             live = np.flatnonzero(room > j)
             if not len(live):
                 break
-            chains = self._step(batch, chains, live)
+            chains = self._step(j, batch, chains, live)
             room = room[live]
             steps.append(chains)
         out: dict[str, list[int]] = {}
@@ -97,12 +119,11 @@ class Eagle3Proposer:
         positions = np.repeat(starts, kept) + offsets
         ids = batch.token_ids[np.repeat(rows, kept), positions + 1]
         dev = self.device
-        flat_t = torch.from_numpy(flat).to(dev)
-        hidden = self.head.combine_hidden_states([a[flat_t] for a in target.aux_hidden_states])
+        hidden = self.model.first_hidden(target, torch.from_numpy(flat).to(dev))
         meta = self._metadata(batch, rows, kept, starts + kept)
-        normed, prenorm = self.head.forward(torch.from_numpy(ids).to(dev),
-                                            torch.from_numpy(positions).to(dev), hidden,
-                                            self.kv_cache, meta)
+        out, hidden = self.model.forward_step(0, torch.from_numpy(ids).to(dev),
+                                              torch.from_numpy(positions).to(dev), hidden,
+                                              self.kv_caches, meta)
         ends = {inputs.req_ids[i]: e - 1 for i, e in zip(some.tolist(), np.cumsum(kept).tolist(),
                                                          strict=True)}
         req_ids, chain_rows = draftable(batch, [r for r in ends if r in sampled])
@@ -110,21 +131,21 @@ class Eagle3Proposer:
             return None
         last = np.array([ends[r] for r in req_ids], dtype=np.int64)
         last_t = torch.from_numpy(last).to(dev)
-        return _Chains(req_ids, chain_rows, positions[last], prenorm[last_t],
-                       self.head.draft_argmax(normed[last_t]))
+        return _Chains(req_ids, chain_rows, positions[last], hidden[last_t],
+                       self.model.draft_tokens(0, out[last_t]))
 
-    def _step(self, batch: InputBatch, chains: _Chains, live: np.ndarray) -> _Chains:
-        """One more draft token for the chains `live` (indices into `chains`)."""
+    def _step(self, j: int, batch: InputBatch, chains: _Chains, live: np.ndarray) -> _Chains:
+        """Draft j + 1 (step j) for the chains `live` (indices into `chains`)."""
         dev = self.device
         live_t = torch.from_numpy(live).to(dev)
         rows, positions = chains.rows[live], chains.positions[live] + 1
         ones = np.ones(len(live), dtype=np.int64)
         meta = self._metadata(batch, rows, ones, positions + 1)
-        normed, prenorm = self.head.forward(chains.tokens[live_t],
-                                            torch.from_numpy(positions).to(dev),
-                                            chains.hidden[live_t], self.kv_cache, meta)
+        out, hidden = self.model.forward_step(j, chains.tokens[live_t],
+                                              torch.from_numpy(positions).to(dev),
+                                              chains.hidden[live_t], self.kv_caches, meta)
         req_ids = [chains.req_ids[i] for i in live.tolist()]
-        return _Chains(req_ids, rows, positions, prenorm, self.head.draft_argmax(normed))
+        return _Chains(req_ids, rows, positions, hidden, self.model.draft_tokens(j, out))
 
     def _room(self, batch: InputBatch, chains: _Chains) -> np.ndarray:
         """Drafts each chain may make: draft j (1-based) writes the head's KV at the chain's
@@ -143,7 +164,7 @@ class Eagle3Proposer:
                                        block_size=self.block_size, device=self.device)
 
     def finish(self, req_ids: set[str]) -> None:
-        """Stateless across steps (the head's KV lives in the requests' blocks)."""
+        """Stateless across steps (the drafter's KV lives in the requests' blocks)."""
 
 
 def _kept_lengths(req_ids: list[str], query_lens: np.ndarray, num_logits: np.ndarray,

@@ -30,15 +30,17 @@ from sous.engine.step_inputs import StepInputs
 @dataclass
 class TargetStep:
     """The target's forward pass of the step just run, for drafters that read its hidden
-    states (`Proposer.uses_target_step`): its inputs (flattened token order) and the hidden
-    states of the runner's `aux_hidden_state_layers`, `[T, H]` each."""
+    states (`Proposer.uses_target_step`): its inputs (flattened token order), the hidden
+    states of the runner's `aux_hidden_state_layers` and the final hidden states (after the
+    last norm), `[T, H]` each."""
 
     inputs: StepInputs
     aux_hidden_states: list[torch.Tensor]
+    hidden_states: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
-    """Drafts speculative tokens after a step (n-gram, suffix, EAGLE-3)."""
+    """Drafts speculative tokens after a step (n-gram, suffix, EAGLE-3, MTP)."""
 
     uses_target_step: bool
     """Called after every step with its `TargetStep` (even when nothing sampled: the drafter
