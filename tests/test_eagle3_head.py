@@ -113,7 +113,10 @@ def test_checkpoint_problems_name_the_field(target, tmp_path: Path, change: dict
     assert needle in str(e.value)
 
 
-def test_a_model_folder_that_is_not_a_draft(target, tmp_path: Path) -> None:
+def test_a_folder_that_is_not_a_draft(target, tmp_path: Path) -> None:
     model, hf = target
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match="no such folder .*sous draft train"):
         load_eagle3_draft(str(tmp_path / "missing"), model, hf, CPU)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_eagle3_draft(str(tmp_path / "empty"), model, hf, CPU)

@@ -40,7 +40,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="The served model (default: the bundled SmolLM2-135M-Instruct GGUF).")
     p.add_argument("--out", required=True, type=Path, help="Folder for the head checkpoint.")
-    p.add_argument("--max-steps", type=int, default=400, help="Optimizer steps in total.")
+    p.add_argument("--max-steps", type=int, default=600, help="Optimizer steps in total.")
     p.add_argument("--num-prompts", type=int, default=256, help="Prompts answered for data.")
     p.add_argument("--max-tokens", type=int, default=128, help="Tokens per greedy answer.")
     p.add_argument("--prompts", type=Path, default=None,

@@ -201,6 +201,10 @@ def _normalise(name: str) -> str:
 def read_draft_config(folder: Path) -> dict[str, Any]:
     """The draft's config.json; ConfigError when `folder` is not an EAGLE-3 draft."""
     path = folder / "config.json"
+    if not folder.exists():
+        raise ConfigError(f"{FLAG}: model {str(folder)!r} is not an EAGLE-3 draft checkpoint "
+                          "here: no such folder (sous never downloads; `sous draft train --out "
+                          "DIR` distils a head for the served model)")
     if not folder.is_dir() or not path.is_file():
         raise ConfigError(f"{FLAG}: model {str(folder)!r} is not an EAGLE-3 draft checkpoint "
                           "(no config.json in a folder)")

@@ -104,7 +104,7 @@ class EagleProposer:
     # ---------------------------------------------------------------- passes
     def _first_pass(self, batch: InputBatch, sampled: dict[str, list[int]],
                     target: TargetStep) -> _Chains | None:
-        """Run the head over the step's kept positions; the chains of the requests that draft
+        """Run step 0 over the step's kept positions; the chains of the requests that draft
         (None when none does)."""
         inputs = target.inputs
         kept = _kept_lengths(inputs.req_ids, inputs.query_lens, inputs.num_logits, sampled)
