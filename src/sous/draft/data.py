@@ -66,13 +66,15 @@ class Sample:
     """float16 `[N, 3 * hidden]`: the target's aux hidden states at each position."""
 
 
-def generate(llm: Any, texts: list[str], max_tokens: int) -> list[list[int]]:
-    """Chat-formatted prompt + greedy answer token ids for each prompt, from the engine."""
+def generate(llm: Any, texts: list[str], max_tokens: int) -> list[tuple[list[int], int]]:
+    """(chat-formatted prompt + greedy answer token ids, prompt length) for each prompt, from
+    the engine."""
     from sous.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outs = llm.chat([[{"role": "user", "content": t}] for t in texts], params)
-    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    return [(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids))
+            for o in outs]
 
 
 @torch.inference_mode()

@@ -173,13 +173,12 @@ class Eagle3Head(nn.Module):
             q, k, v, residual = self._qkv(e, hidden, base + j)
             if j == 0:
                 k0, v0 = k, v
-                scores = (q @ k0.transpose(-1, -2)) * scale
-                scores = scores.masked_fill(~causal, float("-inf"))
             else:
                 keys.append((k, v))
+            scores = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
+            if keys:
                 diag = torch.stack([(q * kk).sum(-1) for kk, _ in keys], -1) * scale
-                scores = torch.cat([((q @ k0.transpose(-1, -2)) * scale).masked_fill(
-                    ~causal, float("-inf")), diag], -1)
+                scores = torch.cat([scores, diag], -1)
             p = scores.softmax(-1)
             attn = p[..., :t] @ v0
             for m, (_, vv) in enumerate(keys):

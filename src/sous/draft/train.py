@@ -71,12 +71,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _collect(args: argparse.Namespace, llm: Any, aux_layers: tuple[int, ...]) -> list[Sample]:
     runner, device = llm.engine.runner, llm.engine.device
-    seqs = generate(llm, prompts(args.num_prompts, args.prompts), args.max_tokens)
-    tok = llm.get_tokenizer()
     samples = []
-    for ids, text in zip(seqs, prompts(args.num_prompts, args.prompts), strict=True):
-        n_prompt = len(tok.apply_chat_template([{"role": "user", "content": text}],
-                                               tokenize=True, add_generation_prompt=True))
+    for ids, n_prompt in generate(llm, prompts(args.num_prompts, args.prompts), args.max_tokens):
         aux = capture_aux(runner.model, ids, aux_layers, device)
         samples.append(Sample(torch.tensor(ids), min(n_prompt, len(ids) - 1), aux))
     return samples
