@@ -163,3 +163,50 @@ def test_fused_ops_equal_the_torch_form() -> None:
     assert torch.equal(ops.rescale_int32(acc, scale, w_scale, bias), ref)
     assert torch.equal(ops.rescale_int32(acc, scale, w_scale, None),
                        acc.float().mul_(scale).mul_(w_scale))
+
+
+CODE_PROMPT = ("Rewrite this Python code with type hints. Keep everything else the same.\n\n"
+               "```python\n" + "\n".join(
+                   f"def get_{a}({b}, {c}):\n    result = []\n    for x in {b}:\n"
+                   f"        if x > {c}:\n            result.append(x)\n    return result\n"
+                   for a, b, c in (("limit", "name", "count"), ("delta", "record", "user"),
+                                   ("value", "count", "index"))) + "```")
+
+
+def test_stacks_split_at_aux_layers_keep_every_bit(llmq: LLM, quant: str) -> None:
+    """A prefill and 40 greedy decode steps through the stacks split at EAGLE-3's aux layers
+    write the same KV and hidden states, bit for bit, as one stack (the stream between stacks
+    is handed over as (h, residual), not summed: RMSNorm of a sum rounds differently)."""
+    import numpy as np
+
+    from sous.engine.attention import AttentionMetadata
+
+    model = llmq.engine.loaded.model
+    if quant != "gguf" or qgemm_ops(CPU) is None:
+        pytest.skip("the C++ layer stack runs GGUF weights on qgemm only")
+    tok = llmq.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": CODE_PROMPT}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    layers = model.config.num_hidden_layers
+    runs = []
+    for aux in ((), (2, layers // 2, layers - 3)):
+        caches = model.kv_cache_spec().allocate(24, 16, CPU)
+        table = np.arange(24)[None]
+        seq, hidden = list(ids), []
+        with torch.inference_mode():
+            step = seq
+            for _ in range(41):
+                n = len(seq)
+                meta = AttentionMetadata.build([len(step)], [n], table, 16, CPU)
+                out = model(torch.tensor(step), meta.positions, caches, meta,
+                            aux_hidden_state_layers=aux)
+                h = out[0] if aux else out
+                hidden.append(h[-1])
+                step = [int(model.compute_logits(h[-1:]).argmax())]
+                seq.append(step[0])
+        runs.append((seq, torch.stack(hidden), caches))
+    (seq_a, h_a, c_a), (seq_b, h_b, c_b) = runs
+    assert seq_a == seq_b
+    assert torch.equal(h_a, h_b)
+    assert all(torch.equal(a, b) for a, b in zip(c_a, c_b, strict=True))

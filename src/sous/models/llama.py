@@ -206,20 +206,18 @@ class LlamaForCausalLM(nn.Module):
                         positions: torch.Tensor, kv_caches: list[torch.Tensor],
                         meta: AttentionMetadata, aux_layers: tuple[int, ...],
                         ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        """`forward` through C++ stacks of consecutive layers; every stack after the first
-        starts at an aux layer, whose input stream `h + residual` it takes as `h`."""
+        """`forward` through C++ stacks of consecutive layers, each taking the (h, residual)
+        the previous one returned; the stream `h + residual` entering an aux layer is kept."""
         m = self.model
         residual: torch.Tensor | None = None
         aux: list[torch.Tensor] = []
         for start, end, stack in stacks:
             if start in aux_layers:
-                h = h if residual is None else h + residual
-                residual = None
-                aux.append(h)
+                aux.append(h if residual is None else h + residual)
             h, residual = stack.forward(
                 h, kv_caches[start:end], m.rotary.cos, m.rotary.sin, positions,
                 meta.slot_mapping, meta.q_starts, meta.query_lens, meta.seq_lens,
-                meta.block_tables, meta.block_size)
+                meta.block_tables, meta.block_size, residual)
         h = m.norm.forward(h, residual)[0]
         return (h, aux) if aux_layers else h
 

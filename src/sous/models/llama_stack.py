@@ -33,8 +33,8 @@ def fused_layers_enabled() -> bool:
 def build_llama_stack(model: Any, start: int = 0, end: int | None = None) -> Any | None:
     """The `LlamaStack` of a `LlamaForCausalLM`'s layers `start:end` (all by default), or
     None when a layer does not qualify (another linear kind, norm weights in another dtype,
-    no C++ ops, not on the CPU). A stack starting past layer 0 takes the residual stream
-    `h + residual` as its input `h`."""
+    no C++ ops, not on the CPU). A stack starting past layer 0 takes the `(h, residual)` the
+    layers before it returned."""
     m = model.model
     ops = cpu_ops(m.norm.weight.device)
     if ops is None or not fused_layers_enabled() or model.dtype not in _DTYPES:

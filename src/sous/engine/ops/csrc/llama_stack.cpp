@@ -21,11 +21,12 @@ std::tuple<at::Tensor, at::Tensor> LlamaStack::forward(
     at::Tensor h, const std::vector<at::Tensor>& kv_caches, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& seq_lens,
-    const at::Tensor& block_table, int64_t block_size) const {
+    const at::Tensor& block_table, int64_t block_size,
+    const std::optional<at::Tensor>& residual_in) const {
   TORCH_CHECK(kv_caches.size() == layers.size(), "LlamaStack: ", layers.size(),
               " layers, ", kv_caches.size(), " KV caches");
   const int64_t t = h.size(0);
-  at::Tensor residual;
+  at::Tensor residual = residual_in.has_value() ? *residual_in : at::Tensor();
   for (size_t i = 0; i < layers.size(); ++i) {
     const LlamaLayer& L = layers[i];
     at::Tensor x;

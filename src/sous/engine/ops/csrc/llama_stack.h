@@ -31,12 +31,15 @@ struct LlamaStack {
   std::vector<LlamaLayer> layers;
 
   // (h, residual) after the last layer, before the final norm: h [T, H] float32 or bfloat16,
-  // one KV cache per layer; the rest is the step's attention metadata (gqa_attention's).
+  // one KV cache per layer; then the step's attention metadata (gqa_attention's); `residual`
+  // is the stream entering the first layer beside h (none for the model's layer 0), as
+  // LlamaDecoderLayer.forward takes it, so a model split into stacks computes what one does.
   std::tuple<at::Tensor, at::Tensor> forward(
       at::Tensor h, const std::vector<at::Tensor>& kv_caches, const at::Tensor& cos,
       const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& slot_mapping,
       const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& seq_lens,
-      const at::Tensor& block_table, int64_t block_size) const;
+      const at::Tensor& block_table, int64_t block_size,
+      const std::optional<at::Tensor>& residual) const;
 };
 
 }  // namespace sous
