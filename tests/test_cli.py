@@ -84,7 +84,6 @@ def test_serve_errors_before_starting(monkeypatch: pytest.MonkeyPatch,
     fake.run_server = lambda e, s: pytest.fail("server started")  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sous.server.api_server", fake)
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--speculative-config",
-              '{"method": "eagle3", "model": "x/eagle3-head", "num_speculative_tokens": 3}'])
+        main(["serve", "--tensor-parallel-size", "2"])
     assert exc.value.code == 2
-    assert "`--speculative-config` is not supported yet" in capsys.readouterr().err
+    assert "`--tensor-parallel-size` is not supported yet" in capsys.readouterr().err

@@ -58,10 +58,10 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
     (["--gpu-memory-utilization", "0.8"], True),
     (["--port", "8200"], True),
     (["--pipeline-parallel-size", "1"], True),
-    (["--data-parallel-size", "4"], False),
-    (["--data-parallel-rank", "0"], False),
-    (["--data-parallel-address", "<POD_IP>"], False),
-    (["--data-parallel-rpc-port", "5555"], False),
+    (["--data-parallel-size", "4"], True),
+    (["--data-parallel-rank", "0"], True),
+    (["--data-parallel-address", "<POD_IP>"], True),
+    (["--data-parallel-rpc-port", "5555"], True),
     (["--enable-expert-parallel"], False),
     (["--pipeline-parallel-size", "4"], False),
     (["--kv-cache-dtype", "fp8"], True),
@@ -136,6 +136,8 @@ def test_every_recipe_arg_parses_or_is_not_yet(capsys: pytest.CaptureFixture[str
         argv = shlex.split(text)
         if argv == ["--enable-auto-tool-choice"]:  # needs its parser, as in vLLM
             argv += ["--tool-call-parser", "hermes"]
+        if argv[0] == "--data-parallel-rank":  # below the size, as the recipes pass them
+            argv += ["--data-parallel-size", str(int(argv[1]) + 1)]
         try:
             parse_serve_args(argv, environ={})
         except SystemExit as e:
@@ -145,10 +147,10 @@ def test_every_recipe_arg_parses_or_is_not_yet(capsys: pytest.CaptureFixture[str
 
 
 def test_all_not_yet_flags_listed_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _exit2(["--data-parallel-size", "4", "--enable-expert-parallel",
+    err = _exit2(["--pipeline-parallel-size", "4", "--enable-expert-parallel",
                   "--tensor-parallel-size", "2",
                   "--no-enable-chunked-prefill", "--model-impl", "transformers"], capsys)
-    for flag in ("--data-parallel-size", "--enable-expert-parallel",
+    for flag in ("--pipeline-parallel-size", "--enable-expert-parallel",
                  "--tensor-parallel-size", "--no-enable-chunked-prefill", "--model-impl"):
         assert f"`{flag}` is not supported yet" in err
 

@@ -30,9 +30,10 @@ def _ports() -> PortMap:
 
 
 def test_unsupported_flags_from_the_engine_table():
-    bad = dict(unsupported_flags(["--data-parallel-size", "4", "--kv-cache-dtype", "fp8",
-                                  "--block-size", "16", "--no-such-flag", "1"]))
-    assert set(bad) == {"--data-parallel-size", "--no-such-flag"}
+    bad = dict(unsupported_flags(["--pipeline-parallel-size", "4", "--kv-cache-dtype", "fp8",
+                                  "--data-parallel-size", "4", "--block-size", "16",
+                                  "--no-such-flag", "1"]))
+    assert set(bad) == {"--pipeline-parallel-size", "--no-such-flag"}
     assert bad["--no-such-flag"] == "unknown to sous serve"
     assert unsupported_flags(["--block-size", "16", "--max-num-seqs", "2"]) == []
 
@@ -42,10 +43,9 @@ def test_launch_stops_and_lists_unsupported_flags(capsys, tmp_path):
                  "--target", "Latency", "--log-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2
-    for flag in ("--data-parallel-size", "--enable-expert-parallel"):
-        assert f"    {flag}: " in err
+    assert "    --enable-expert-parallel: " in err
     for flag in ("--kv-cache-dtype", "--tool-call-parser", "--reasoning-parser",
-                 "--enable-auto-tool-choice"):
+                 "--enable-auto-tool-choice", "--data-parallel-size"):
         assert f"    {flag}: " not in err
     assert "Nothing was started" in err and "--drop-unsupported" in err
     assert list(tmp_path.iterdir()) == []
@@ -77,11 +77,38 @@ def test_pd_launch_remaps_ports_consistently(tmp_path):
     assert cmd[cmd.index("--served-model-name") + 1] == "MiniMaxAI/MiniMax-M2.7"
     assert "--max-model-len" not in cmd
     dropped = {f for f, _ in d0.dropped}
-    assert "--data-parallel-rank" in dropped
+    assert "--enable-expert-parallel" in dropped and "--data-parallel-rank" not in dropped
     assert "--kv-events-config" in cmd  # supported: kept, pointed at the remapped port
+    # vLLM adds the DP rank to the KV-events and NIXL side channel ports; the recipe's ports
+    # count down from 5557 so that every rank lands on the router's 5557 (and on its map here).
+    for rank, spec in enumerate(specs[1:5]):
+        words = list(spec.command)
+        assert words[words.index("--data-parallel-rank") + 1] == str(rank)
+        events = json.loads(words[words.index("--kv-events-config") + 1])
+        assert events["endpoint"] == f"tcp://127.0.0.1:{ports.mapping[5557] - rank}"
+        side = int(spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        assert side + rank == ports.mapping[5659 + 2 * rank]
     assert "RblnNixlConnector" in cmd[cmd.index("--kv-transfer-config") + 1]  # P/D: kept
     assert not dropped & set(cmd)
     assert any("--max-model-len 204800" in n for n in d0.notes)
+
+
+def test_scaled_to_this_machine_keeps_ranks_below_the_cap_and_says_so():
+    from sous.recipes.scale import default_max_ranks, scale_plan
+
+    ax = compose(load_recipe("ax-k2").recipe, "prefill-decode-disaggregated", "Latency",
+                 variables=LOCAL)
+    scaled, notes = scale_plan(ax, 2)
+    assert [(p.role, p.rank) for p in scaled.processes] == [
+        ("prefill", 0), ("decode", 0), ("decode", 1)]
+    for p in scaled.processes[1:]:
+        assert p.arg("--data-parallel-size").words == ("--data-parallel-size", "2")
+    assert "decode: 8 ranks in the recipe, 2 here (--max-ranks 2)" in notes
+    assert "decode rank 1: --data-parallel-size 8 -> 2 (--max-ranks 2)" in notes
+    agg = compose(RECIPE.recipe, "aggregated-data-expert-parallel", "Latency", variables=LOCAL)
+    same, none = scale_plan(agg, 64)
+    assert same == agg and none == []
+    assert default_max_ranks(2) == 2 and default_max_ranks(64) == 32
 
 
 def test_remapped_ports_inside_json_values(tmp_path):

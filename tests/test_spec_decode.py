@@ -179,7 +179,7 @@ def test_structured_output_and_seeded_sampling(baseline, spec) -> None:
     ('{"method": "medusa2", "num_speculative_tokens": 3}', "unknown method 'medusa2'"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
-    ('{"method": "mtp", "num_speculative_tokens": 1}', "not supported yet"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "needs a model whose MTP modules sous runs"),
     ('{"method": "eagle3", "model": "/x/eagle3", "num_speculative_tokens": 3}',
      "is not an EAGLE-3 draft checkpoint here: no such folder"),
     ('{"method": "eagle3", "model": "/x/eagle3", "num_speculative_tokens": 0}',

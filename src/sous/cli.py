@@ -67,6 +67,10 @@ def _serve(argv: list[str]) -> int:
     _setup_logging()
     engine_config, server_config = parse_serve_args(argv)
     try:
+        if server_config.headless:
+            from sous.engine.dp.headless import run_headless
+
+            return run_headless(engine_config, server_config.reasoning_parser)
         problem = _port_problem(server_config.host, server_config.port)
         if problem:
             raise ConfigError(problem)

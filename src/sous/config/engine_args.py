@@ -106,6 +106,8 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "pipeline_parallel_size": at_least(1),
     "data_parallel_size": at_least(1),
     "data_parallel_rank": at_least(0),
+    "data_parallel_size_local": at_least(0),
+    "data_parallel_start_rank": at_least(0),
     "data_parallel_rpc_port": lambda v: None if v is None or 0 < v < 65536 else "not a port",
     "port": lambda v: None if 0 <= v < 65536 else "not a port",
     "max_log_len": at_least(0),
@@ -199,16 +201,11 @@ class NotYet(NamedTuple):
     """The refused values as `--help` shows them (e.g. `> 1`); empty: any value."""
 
 
-_DP = "sous runs one engine (data parallel serving is planned)"
 NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("tensor_parallel_size", lambda v: v > 1, "--tensor-parallel-size",
            "sous runs one engine process on one device", "> 1"),
     NotYet("pipeline_parallel_size", lambda v: v > 1, "--pipeline-parallel-size",
-           "sous runs one engine process on one device", "> 1"),
-    NotYet("data_parallel_size", lambda v: v > 1, "--data-parallel-size", _DP, "> 1"),
-    NotYet("data_parallel_rank", lambda v: v is not None, "--data-parallel-rank", _DP),
-    NotYet("data_parallel_address", lambda v: v is not None, "--data-parallel-address", _DP),
-    NotYet("data_parallel_rpc_port", lambda v: v is not None, "--data-parallel-rpc-port", _DP),
+           "pipeline parallel stages are planned", "> 1"),
     NotYet("enable_expert_parallel", bool, "--enable-expert-parallel",
            "expert parallelism needs several ranks"),
     NotYet("enable_chunked_prefill", lambda v: not v, "--no-enable-chunked-prefill",
@@ -222,6 +219,31 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
            "EAGLE (1) heads are planned (methods ngram, suffix, eagle3 and mtp work)",
            "eagle"),
 )
+
+
+def _parallel_problems(values: Mapping[str, Any]) -> list[str]:
+    """Data parallel flags that contradict each other, each message naming its flags."""
+    size, rank = values.get("data_parallel_size", 1), values.get("data_parallel_rank")
+    local, start = values.get("data_parallel_size_local"), values.get("data_parallel_start_rank", 0)
+    out = []
+    if rank is not None and rank >= size:
+        out.append(f"--data-parallel-rank {rank}: must be below --data-parallel-size {size}")
+    if local is not None and start + local > size:
+        out.append(f"--data-parallel-start-rank {start} --data-parallel-size-local {local}: "
+                   f"ranks past --data-parallel-size {size}")
+    if values.get("headless"):
+        if size < 2 or rank is not None:
+            out.append("--headless runs data parallel ranks for an API server elsewhere: it "
+                       "needs --data-parallel-size > 1 and no --data-parallel-rank")
+        elif local == 0:
+            out.append("--headless --data-parallel-size-local 0: no rank to run")
+    elif start and rank is None:
+        out.append(f"--data-parallel-start-rank {start}: only with --headless (the API "
+                   "server's node runs ranks from 0)")
+    if size > 1 and rank is None and values.get("distributed_executor_backend") == "mp":
+        out.append("--distributed-executor-backend mp with --data-parallel-size > 1 is not "
+                   "supported yet: each data parallel rank runs its model in its own process")
+    return out
 
 
 class NotSupportedYetError(ValueError):
@@ -447,7 +469,7 @@ def parse_serve_args(
         parser.error(str(e))
     if values["api_key"] is None and environ.get("VLLM_API_KEY"):
         values["api_key"] = environ["VLLM_API_KEY"]
-    problems = _not_yet_messages(values)
+    problems = _not_yet_messages(values) + _parallel_problems(values)
     if problems:
         parser.exit(2, "".join(f"{parser.prog}: error: {p}\n" for p in problems))
     if values["enable_auto_tool_choice"] and not values["tool_call_parser"]:
@@ -509,6 +531,9 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
             raise type(e)(f"{name}={value!r}: {e}") from None
     values.update({k: v for k, v in env_values(os.environ).items() if k not in kwargs})
     problems = _not_yet_messages(values, as_kwargs=True)
+    if values["data_parallel_size"] > 1:
+        problems.append("`data_parallel_size` > 1 is not supported yet in the offline LLM: "
+                        "it runs one engine (`sous serve --data-parallel-size N` serves N).")
     if problems:
         raise NotSupportedYetError(" ".join(problems))
     _log_notes(values)

@@ -30,6 +30,10 @@ class ServerConfig:
     max_request_body_bytes: int = 32 * 2**20
     """sous-specific: requests with a larger body get 413 before it is read (32 MiB holds a
     prompt of a million tokens, as text or as token ids)."""
+    headless: bool = False
+    """Run data parallel engine ranks only (no API server): ranks
+    --data-parallel-start-rank to + --data-parallel-size-local join the API server at
+    --data-parallel-address:--data-parallel-rpc-port."""
     shutdown_timeout: int = 5
     """On SIGTERM/SIGINT: seconds requests in flight may take to finish while new ones get
     503; the rest are then aborted (finish_reason "abort"). 0: abort at once. A second signal

@@ -62,7 +62,7 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> RequestOutput:
     return pending
 
 
-class _Collector:
+class OutputCollector:
     """Hands outputs from the engine thread to one asyncio consumer, merging deltas. An error
     is raised to the consumer after any output still pending."""
 
@@ -99,20 +99,20 @@ class _Collector:
         raise self.error
 
 
-def _deliver(items: list[tuple[_Collector, RequestOutput | BaseException]]) -> None:
+def _deliver(items: list[tuple[OutputCollector, RequestOutput | BaseException]]) -> None:
     for collector, item in items:
         collector.put(item)
 
 
-class _Outbox:
+class Outbox:
     """One step's outputs, handed to each consumer loop in one `call_soon_threadsafe`: one
     wake-up of the server thread per step instead of one per request (on few cores every
     wake-up steals time from the torch threads of the step)."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[_Collector, RequestOutput | BaseException]] = []
+        self.items: list[tuple[OutputCollector, RequestOutput | BaseException]] = []
 
-    def sink(self, collector: _Collector) -> Callable[[RequestOutput | BaseException], None]:
+    def sink(self, collector: OutputCollector) -> Callable[[RequestOutput | BaseException], None]:
         return lambda item: self.items.append((collector, item))
 
     def flush(self) -> None:
@@ -140,6 +140,8 @@ class AsyncLLM:
         self.max_model_len = core.max_model_len
         self.max_num_seqs = core.config.scheduler.max_num_seqs
         self.served_model_name = core.served_model_name
+        self.cache_info = core.cache_info
+        self.structured_output_manager = core.structured_output_manager
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()
         """Orders inbox puts against the loop's end: nothing is queued once `_ended`."""
@@ -147,8 +149,8 @@ class AsyncLLM:
         """Why no new request is accepted (None: accepting)."""
         self._ended = False
         """The loop has returned: no message is accepted."""
-        self._collectors: dict[str, _Collector] = {}
-        self._outbox = _Outbox()
+        self._collectors: dict[str, OutputCollector] = {}
+        self._outbox = Outbox()
         """Filled by the engine thread during a step, flushed after it."""
         self._stats = core.stats()
         """The engine thread's latest snapshot (replaced, never mutated)."""
@@ -177,7 +179,7 @@ class AsyncLLM:
         ValueError (from the engine thread, as the first item) when the request is invalid."""
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        collector = _Collector(asyncio.get_running_loop(), sampling_params.output_kind)
+        collector = OutputCollector(asyncio.get_running_loop(), sampling_params.output_kind)
         self._collectors[request_id] = collector
         finished = False
         try:
@@ -212,6 +214,10 @@ class AsyncLLM:
     def get_stats(self) -> EngineStats:
         """The engine's counters as of its latest loop iteration (a snapshot)."""
         return self._stats
+
+    def get_engine_stats(self) -> dict[int, EngineStats]:
+        """`get_stats()` per engine (one here: engine 0)."""
+        return {0: self._stats}
 
     def is_healthy(self) -> bool:
         return self._error is None and not self._stopped and (

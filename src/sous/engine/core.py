@@ -163,6 +163,14 @@ class EngineCore:
         return num_blocks
 
     @property
+    def cache_info(self) -> dict[str, str]:
+        """Labels of `vllm:cache_config_info` (vLLM's CacheConfig fields routers read)."""
+        cache = self.config.cache
+        return {"block_size": str(cache.block_size), "num_gpu_blocks": str(self.num_blocks),
+                "cache_dtype": cache.kv_cache_dtype,
+                "enable_prefix_caching": str(cache.enable_prefix_caching)}
+
+    @property
     def runner(self) -> ModelRunner:
         """The model runner, when the worker runs in this process (for inspection)."""
         worker = getattr(self.executor, "worker", None)
@@ -188,7 +196,7 @@ class EngineCore:
                            "is disabled (--no-enable-prefix-caching): none will be published.")
             return None
         warn_if_hashes_unshared("KV events (--kv-events-config)")
-        return ZmqEventPublisher(events)
+        return ZmqEventPublisher(events, dp_rank=config.parallel.dp_rank)
 
     def _publish_events(self) -> None:
         if self.publisher is not None:

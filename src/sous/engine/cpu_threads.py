@@ -192,11 +192,14 @@ def parse_cpu_threads_env(environ: Mapping[str, str],
 
 def resolve_cpus(env: CpuThreadsEnv, allowed: Iterable[int], rank: int = 0,
                  world_size: int = 1, local_dp_rank: int | None = None,
-                 platform: str = sys.platform) -> tuple[int, ...] | None:
+                 platform: str = sys.platform, local_dp_size: int = 1,
+                 ) -> tuple[int, ...] | None:
     """The CPUs rank `rank` binds its OpenMP threads to, one thread per CPU (capped by
-    OMP_NUM_THREADS); None: bind nothing (`nobind`). ValueError naming
-    VLLM_CPU_OMP_THREADS_BIND when the list has no entry for this rank. Off Linux nothing is
-    bound (no per-thread affinity API)."""
+    OMP_NUM_THREADS); None: bind nothing (`nobind`). In `auto` mode `local_dp_size` data
+    parallel ranks on this node split the CPUs into equal contiguous shares (rank
+    `local_dp_rank` takes its share). ValueError naming VLLM_CPU_OMP_THREADS_BIND when the
+    list has no entry for this rank. Off Linux nothing is bound (no per-thread affinity
+    API)."""
     if env.bind == "nobind" or not platform.startswith("linux"):
         return None
     if env.bind == "auto":
@@ -205,6 +208,13 @@ def resolve_cpus(env: CpuThreadsEnv, allowed: Iterable[int], rank: int = 0,
             raise ValueError(f"{RESERVED_ENV}={env.reserved}: must be less than the "
                              f"{len(ordered)} CPUs this process may run on")
         cpus = tuple(ordered[:len(ordered) - env.reserved])
+        if local_dp_size > 1:
+            share = len(cpus) // local_dp_size
+            if share == 0:
+                raise ValueError(f"{local_dp_size} data parallel ranks need at least one CPU "
+                                 f"each; this process may run on {format_cpus(cpus)}")
+            first = (local_dp_rank or 0) * share
+            cpus = cpus[first:first + share]
     else:
         entries = env.rank_cpus
         first = 0 if local_dp_rank is None else local_dp_rank * world_size
@@ -250,7 +260,8 @@ def _pin(cpus: tuple[int, ...], warn: bool = True) -> bool:
 
 
 def apply_cpu_threads(env: CpuThreadsEnv, rank: int = 0, world_size: int = 1,
-                      local_dp_rank: int | None = None) -> CpuBinding | None:
+                      local_dp_rank: int | None = None, local_dp_size: int = 1,
+                      ) -> CpuBinding | None:
     """Apply `env` for this rank in the calling thread (module docstring) and log one line.
     Returns the binding, or None when nothing is bound. Mutates process state: torch's thread
     count, the affinity of the calling thread and of its OpenMP pool (or of the process)."""
@@ -258,12 +269,15 @@ def apply_cpu_threads(env: CpuThreadsEnv, rank: int = 0, world_size: int = 1,
     import torch
 
     allowed = allowed_cpus()
-    cpus = resolve_cpus(env, allowed, rank, world_size, local_dp_rank)
+    cpus = resolve_cpus(env, allowed, rank, world_size, local_dp_rank,
+                        local_dp_size=local_dp_size)
     if cpus is None and env.bind == "list":
         logger.warning("CPU threads: %s=%s is ignored: binding needs Linux", BIND_ENV, env.spec)
     if cpus is None:
         if env.omp_num_threads:
             torch.set_num_threads(env.omp_num_threads)
+        elif local_dp_size > 1:  # unbound ranks must not oversubscribe the CPUs either
+            torch.set_num_threads(max(1, len(allowed) // local_dp_size))
         logger.info("CPU threads: %d OpenMP thread(s), not bound (%s=%s%s)",
                     torch.get_num_threads(), BIND_ENV, env.spec,
                     f", {OMP_ENV}={env.omp_num_threads}" if env.omp_num_threads else "")

@@ -10,6 +10,9 @@ class RequestValidationError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple:  # keeps `param` across processes (data parallel ranks)
+        return type(self), (str(self), self.param)
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop is not running (it died, or the server is shutting down): the server

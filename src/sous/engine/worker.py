@@ -77,9 +77,12 @@ class Worker:
         loads, in the process and thread that builds the Worker (`sous.engine.cpu_threads`)."""
         if self.device.type == "cpu":
             par = config.parallel
+            local = par.dp_size_local
             self.cpu_binding = apply_cpu_threads(
                 par.cpu_threads, rank=0,
-                world_size=par.tensor_parallel_size * par.pipeline_parallel_size)
+                world_size=par.tensor_parallel_size * par.pipeline_parallel_size,
+                local_dp_rank=par.dp_rank - par.data_parallel_start_rank if local > 1 else None,
+                local_dp_size=local)
 
     def load_model(self) -> ModelInfo:
         loaded = self._loaded or load_model(self.config.model, self.config.load, self.device)

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import msgpack
@@ -77,11 +77,27 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def offset_endpoint(endpoint: str, dp_rank: int) -> str:
+    """`endpoint` for data parallel rank `dp_rank`, as vLLM offsets it: a tcp port plus the
+    rank, an ipc/inproc path with `_dp<rank>` appended; rank 0 keeps it as given."""
+    if not dp_rank or not endpoint:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{dp_rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if sep and port.isdigit():
+        return f"{head}:{int(port) + dp_rank}"
+    return endpoint
+
+
 class ZmqEventPublisher:
     """Publishes one batch per engine step that produced events. `publish` is called from the
     engine thread only; the replay socket is served by its own thread."""
 
     def __init__(self, config: KVEventsConfig, dp_rank: int = 0) -> None:
+        config = replace(config, endpoint=offset_endpoint(config.endpoint, dp_rank),
+                         replay_endpoint=offset_endpoint(config.replay_endpoint or "", dp_rank)
+                         or config.replay_endpoint)
         self.config = config
         self.dp_rank = dp_rank
         self.topic = config.topic.encode()

@@ -110,7 +110,7 @@ def make_connector(config: EngineConfig, role: KVConnectorRole, kv_cache_spec: A
     context = KVConnectorContext(
         model_name=config.model.model or loaded.served_model_name,
         kv_cache_spec=kv_cache_spec, block_size=config.cache.block_size,
-        enable_kv_events=bool((config.kv_events_config or {}).get("enable_kv_cache_events")))
+        dp_rank=config.parallel.dp_rank, enable_kv_events=bool((config.kv_events_config or {}).get("enable_kv_cache_events")))
     return create_connector(transfer, role, context)
 
 

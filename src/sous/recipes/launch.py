@@ -68,6 +68,10 @@ def add_launch_parser(sub: Any, selection_args: Callable[[argparse.ArgumentParse
                    help="stop everything after this many seconds (default: until Ctrl-C)")
     p.add_argument("--log-dir", default=None, help="folder for one log file per process")
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument("--max-ranks", type=int, default=None, metavar="N",
+                   help="at most N ranks per role, and --data-parallel-size / "
+                        "--pipeline-parallel-size capped at N (default: half the CPUs, at "
+                        "least 2); the launch prints what it scaled")
     p.add_argument("--no-probe", action="store_true",
                    help="do not send a chat request to each server once it is up")
 
@@ -95,23 +99,42 @@ class PortMap:
             self.mapping[port] = self.allocate()
         return self.mapping[port]
 
-    def in_text(self, text: str) -> str:
-        text = _URL_PORT.sub(lambda m: f"{m.group(1)}{self(int(m.group(2)))}", text)
+    def ranked(self, port: int, dp_rank: int) -> int:
+        """The port to pass a server of data parallel rank `dp_rank` that adds its rank to
+        it (KV events, the NIXL side channel): the rank lands on `port + dp_rank`'s map."""
+        return self(port + dp_rank) - dp_rank
+
+    def in_text(self, text: str, dp_rank: int = 0) -> str:
+        """`tcp://host:PORT` (offset by `dp_rank`, see `ranked`) and `kv@host:PORT@` topics."""
+        text = _URL_PORT.sub(lambda m: f"{m.group(1)}{self.ranked(int(m.group(2)), dp_rank)}",
+                             text)
         return _TOPIC_PORT.sub(lambda m: f"{m.group(1)}{self(int(m.group(2)))}{m.group(3)}", text)
 
 
-def _remap_arg(arg: Arg, ports: PortMap) -> Arg:
+_RANKED_FLAGS = ("--kv-events-config",)
+_RANKED_ENVS = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)
+"""Ports a server offsets by its --data-parallel-rank, as vLLM does."""
+
+
+def _dp_rank(args: Sequence[Arg]) -> int:
+    return next((int(a.words[1]) for a in args if a.flag == "--data-parallel-rank"
+                 and len(a.words) == 2 and a.words[1].isdigit()), 0)
+
+
+def _remap_arg(arg: Arg, ports: PortMap, dp_rank: int = 0) -> Arg:
     if arg.flag in _PORT_FLAGS and len(arg.words) == 2 and arg.words[1].isdigit():
         words = (arg.flag, str(ports(int(arg.words[1]))))
     else:
-        words = tuple(ports.in_text(w) for w in arg.words)
+        rank = dp_rank if arg.flag in _RANKED_FLAGS else 0
+        words = tuple(ports.in_text(w, rank) for w in arg.words)
     return dataclasses.replace(arg, words=words, text=" ".join(words))
 
 
-def _remap_env(env: EnvVar, ports: PortMap) -> EnvVar:
+def _remap_env(env: EnvVar, ports: PortMap, dp_rank: int = 0) -> EnvVar:
     value = env.value
     if env.name.endswith("_PORT") and value.isdigit():
-        value = str(ports(int(value)))
+        rank = dp_rank if env.name in _RANKED_ENVS else 0
+        value = str(ports.ranked(int(value), rank))
     else:
         value = ports.in_text(value)
     return dataclasses.replace(env, value=value, text=f"{env.name}={value}")
@@ -215,15 +238,16 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
             raise RecipeError(f"{process.label}: launcher {process.launcher!r} is not "
                               "`vllm serve`; sous can only stand in for vllm serve")
         args, notes = _stand_in_args(process, stand_in_len)
-        args = [_remap_arg(a, ports) for a in args]
+        dp_rank = _dp_rank(args)
+        args = [_remap_arg(a, ports, dp_rank) for a in args]
         bad = unsupported_flags([w for a in args for w in a.words])
         bad_flags = {f for f, _ in bad}
         if bad and not drop_unsupported:
             blocking[process.label] = bad
         elif bad:
             args = [a for a in args if a.flag not in bad_flags]
-        env, kv_notes = _kv_budget_env(process, [_remap_env(e, ports) for e in process.envs],
-                                       kv_share_gib)
+        env, kv_notes = _kv_budget_env(
+            process, [_remap_env(e, ports, dp_rank) for e in process.envs], kv_share_gib)
         port = int(next(a.words[1] for a in args if a.flag == "--port"))
         name = process.role if process.rank is None else f"{process.role}-rank-{process.rank}"
         words = [w for a in args for w in a.words]
@@ -288,6 +312,15 @@ def run_launch(args: argparse.Namespace, plan: Plan) -> int:
 
     if plan.placeholders_left:
         raise RecipeError("internal: placeholders left in a launch plan")
+    from sous.recipes.scale import default_max_ranks, scale_plan
+
+    try:
+        plan, scaled = scale_plan(
+            plan, default_max_ranks() if args.max_ranks is None else args.max_ranks)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+    for note in scaled:
+        _say(f"NOTE scaled to this machine: {note}")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sous-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     specs, blocking = build_launch(plan, args.stand_in, log_dir, PortMap(),

@@ -96,17 +96,6 @@ def _model_card(engine: Any) -> dict:
     }
 
 
-def _cache_info(engine: Any) -> dict[str, str]:
-    """Labels of `vllm:cache_config_info` (vLLM's CacheConfig fields routers read)."""
-    core = getattr(engine, "core", None)
-    cache = getattr(getattr(core, "config", None), "cache", None)
-    if cache is None:
-        return {}
-    return {"block_size": str(cache.block_size), "num_gpu_blocks": str(core.num_blocks),
-            "cache_dtype": cache.kv_cache_dtype,
-            "enable_prefix_caching": str(cache.enable_prefix_caching)}
-
-
 def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     engine = ctx.engine
     completions = CompletionServing(ctx)
@@ -124,7 +113,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
-            stats = engine.get_stats()
+            stats = engine.get_engine_stats()
         except Exception:  # a dead engine still gets its counters scraped
             stats = None
         return Response(ctx.metrics.render(stats),
@@ -156,10 +145,13 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
     """The FastAPI app serving `engine` (an `AsyncLLM` or anything with its interface)."""
     config = server_config or ServerConfig()
     app = FastAPI(title="sous OpenAI-compatible server", version=sous.__version__)
-    metrics = ServerMetrics(engine.served_model_name, engine.max_model_len, _cache_info(engine))
+    metrics = ServerMetrics(engine.served_model_name, engine.max_model_len,
+                            getattr(engine, "cache_info", None))
     ctx = ServingContext(engine=engine, config=config, metrics=metrics)
     app.state.serving = ctx
-    _connect_reasoning_to_structured_output(engine, config)
+    core = getattr(engine, "core", None)
+    if config.reasoning_parser and core is not None:
+        connect_reasoning_to_structured_output(core, config.reasoning_parser)
     _install_error_handlers(app)
     _add_routes(app, ctx)
     api_key = config.api_key or os.environ.get("VLLM_API_KEY")
@@ -174,15 +166,13 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
     return app
 
 
-def _connect_reasoning_to_structured_output(engine: Any, config: ServerConfig) -> None:
-    """With `--reasoning-parser`, structured output starts only once reasoning has ended."""
-    core = getattr(engine, "core", None)
-    if not config.reasoning_parser or core is None:
-        return
+def connect_reasoning_to_structured_output(core: Any, reasoning_parser: str) -> None:
+    """With `--reasoning-parser`, `core`'s structured output starts only once reasoning has
+    ended (every engine core that serves requests, data parallel ranks included)."""
     from sous.server import reasoning
     from sous.server.reasoning.token_end import reasoning_end_detector
 
-    parser = reasoning.get(config.reasoning_parser)
+    parser = reasoning.get(reasoning_parser)
     core.structured_output_manager.set_reasoner(reasoning_end_detector(parser, core.tokenizer))
 
 
@@ -200,7 +190,6 @@ def run_server(engine_config: Any, server_config: ServerConfig | None = None) ->
     `engine_ready_timeout_s` (VLLM_ENGINE_READY_TIMEOUT_S) raises EngineStartTimeout.
 
     The engine's step loop runs on the main thread and uvicorn on a background thread."""
-    from sous.engine.async_llm import AsyncLLM
     from sous.engine.core import freeze_startup_heap
     from sous.engine.ready import ready_deadline
     from sous.server.handle import ServerHandle
@@ -208,7 +197,7 @@ def run_server(engine_config: Any, server_config: ServerConfig | None = None) ->
     config = server_config or ServerConfig()
     logger.info("Loading engine ...")
     with ready_deadline(engine_config.engine_ready_timeout_s):
-        engine = AsyncLLM.from_config(engine_config, start_thread=False)
+        engine = _make_engine(engine_config, config)
     freeze_startup_heap()
     handle = ServerHandle(engine, config, host=config.host, port=config.port)
     on_signal = _OnSignal(lambda: handle.begin_drain(config.shutdown_timeout))
@@ -228,6 +217,19 @@ def run_server(engine_config: Any, server_config: ServerConfig | None = None) ->
         handle.stop(force=forced or on_signal.count == 0)
         engine.shutdown()
     return 1 if engine.died else 0
+
+
+def _make_engine(engine_config: Any, config: ServerConfig) -> Any:
+    """`AsyncLLM` on one engine core here, or `DPAsyncLLM` over --data-parallel-size ranks
+    (unless --data-parallel-rank makes this server one rank behind an external balancer)."""
+    par = engine_config.parallel
+    if par.data_parallel_size > 1 and par.data_parallel_rank is None:
+        from sous.engine.dp.client import DPAsyncLLM
+
+        return DPAsyncLLM(engine_config, config.reasoning_parser)
+    from sous.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_config(engine_config, start_thread=False)
 
 
 class _OnSignal:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from typing import Any
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -109,16 +110,25 @@ class ServerMetrics:
         return RequestMetrics(self, prompt_tokens)
 
     def render(self, stats: Any | None) -> str:
-        """The exposition text; `stats` is the engine's `get_stats()` (or None if unavailable)."""
+        """The exposition text. `stats` is the engine's `get_engine_stats()` ({engine index:
+        stats}; data parallel servers have one per rank), a single `get_stats()` snapshot
+        (engine 0), or None if unavailable. Engine gauges and counters carry each engine's
+        label; the per-request ones are the API server's (engine "0")."""
         lab = self.labels
+        engines: dict[int, Any] = stats if isinstance(stats, dict) else {0: stats}
         out: list[str] = []
 
         def head(name: str, kind: str, text: str) -> None:
             out.append(f"# HELP {name} {text}")
             out.append(f"# TYPE {name} {kind}")
 
-        def stat(field: str) -> float:
-            return float(getattr(stats, field, 0) or 0) if stats is not None else 0.0
+        def per_engine(name: str, value: Callable[[Any], float], extra: str = "") -> None:
+            for index, st in sorted(engines.items()):
+                labels = lab.replace('engine="0"', f'engine="{index}"', 1)
+                out.append(f"{name}{{{labels}{extra}}} {_fmt(value(st) if st is not None else 0)}")
+
+        def stat(field: str) -> Callable[[Any], float]:
+            return lambda st: float(getattr(st, field, 0) or 0)
 
         for name, field, text in (
                 ("vllm:num_requests_running", "num_running",
@@ -127,22 +137,25 @@ class ServerMetrics:
                 ("vllm:kv_cache_usage_perc", "kv_cache_usage",
                  "KV-cache usage. 1 means 100 percent usage.")):
             head(name, "gauge", text)
-            out.append(f"{name}{{{lab}}} {_fmt(stat(field))}")
+            per_engine(name, stat(field))
         if self.cache_info:  # read by routers (llm-d: block size, index capacity)
             head("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
             info = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(self.cache_info.items()))
-            out.append(f"vllm:cache_config_info{{{lab},{info}}} 1.0")
-        for name, value, text in (
-                ("vllm:num_preemptions_total", stat("num_preemptions"),
+            per_engine("vllm:cache_config_info", lambda st: 1.0, "," + info)
+        for name, field, text in (
+                ("vllm:num_preemptions_total", "num_preemptions",
                  "Cumulative number of preemptions from the engine."),
-                ("vllm:prefix_cache_queries_total", stat("prefix_cache_queries"),
+                ("vllm:prefix_cache_queries_total", "prefix_cache_queries",
                  "Prefix cache queries, in terms of number of queried tokens."),
-                ("vllm:prefix_cache_hits_total", stat("prefix_cache_hits"),
+                ("vllm:prefix_cache_hits_total", "prefix_cache_hits",
                  "Prefix cache hits, in terms of number of cached tokens."),
-                ("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed."),
-                ("sous:kv_load_failures_total", stat("num_kv_load_failures"),
+                ("sous:kv_load_failures_total", "num_kv_load_failures",
                  "KV connector loads (offload tiers, P/D transfers) that fell short; their "
-                 "requests recomputed the missing tokens or failed."),
+                 "requests recomputed the missing tokens or failed.")):
+            head(name, "counter", text)
+            per_engine(name, stat(field))
+        for name, value, text in (
+                ("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed."),
                 ("vllm:generation_tokens_total", self.generation_tokens,
                  "Number of generation tokens processed.")):
             head(name, "counter", text)
@@ -157,23 +170,11 @@ class ServerMetrics:
                  "Number of cached prompt tokens recomputed for their logits.")):
             head(name, "counter", text)
             out.append(f"{name}{{{lab}}} {_fmt(value)}")
-        connector = getattr(stats, "kv_connector_stats", None) or {}
         for key, text in KV_CONNECTOR_COUNTERS.items():
             name = f"sous:{key}_total"
             head(name, "counter", text)
-            out.append(f"{name}{{{lab}}} {_fmt(connector.get(key, 0))}")
-        spec = getattr(stats, "spec_decoding", None)
-        if spec is not None:  # vLLM's speculative decoding counters (cumulative)
-            for key, text in (("num_drafts", "Number of spec decoding drafts."),
-                              ("num_draft_tokens", "Number of draft tokens."),
-                              ("num_accepted_tokens", "Number of accepted tokens.")):
-                name = f"vllm:spec_decode_{key}_total"
-                head(name, "counter", text)
-                out.append(f"{name}{{{lab}}} {_fmt(getattr(spec, key))}")
-            name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-            head(name, "counter", "Accepted tokens per draft position.")
-            out += [f'{name}{{{lab},position="{j}"}} {_fmt(n)}'
-                    for j, n in enumerate(spec.num_accepted_tokens_per_pos)]
+            per_engine(name, lambda st, key=key: (st.kv_connector_stats or {}).get(key, 0))
+        self._render_spec_decoding(engines, head, per_engine)
         head("vllm:request_success_total", "counter", "Count of successfully processed requests.")
         for reason, n in self.success.items():
             out.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {_fmt(n)}')
@@ -190,6 +191,26 @@ class ServerMetrics:
             head(name, "histogram", text)
             out.extend(hist.lines(name, lab))
         return "\n".join(out) + "\n"
+
+    @staticmethod
+    def _render_spec_decoding(engines: dict[int, Any], head: Callable[[str, str, str], None],
+                              per_engine: Callable[..., None]) -> None:
+        """vLLM's speculative decoding counters (cumulative), when drafting is configured."""
+        specs = {i: getattr(st, "spec_decoding", None) for i, st in engines.items()}
+        if all(spec is None for spec in specs.values()):
+            return
+        for key, text in (("num_drafts", "Number of spec decoding drafts."),
+                          ("num_draft_tokens", "Number of draft tokens."),
+                          ("num_accepted_tokens", "Number of accepted tokens.")):
+            name = f"vllm:spec_decode_{key}_total"
+            head(name, "counter", text)
+            per_engine(name, lambda st, key=key: getattr(st.spec_decoding, key, 0))
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        head(name, "counter", "Accepted tokens per draft position.")
+        positions = max(len(s.num_accepted_tokens_per_pos) for s in specs.values() if s)
+        for j in range(positions):
+            per_engine(name, lambda st, j=j: st.spec_decoding.num_accepted_tokens_per_pos[j],
+                       f',position="{j}"')
 
 
 class RequestMetrics:

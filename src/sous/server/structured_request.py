@@ -83,11 +83,11 @@ def build_structured_outputs(req: Any, tool_schema: dict[str, Any] | None = None
 async def structured_outputs_for(engine: Any, req: Any,
                                  tool_schema: dict[str, Any] | None = None,
                                  ) -> StructuredOutputsParams | None:
-    """`build_structured_outputs`, then wait until `engine` (an AsyncLLM; anything without a
-    structured-output manager skips this) has compiled the constraint. Raises a 400 APIError
+    """`build_structured_outputs`, then wait until `engine` (an AsyncLLM or DPAsyncLLM;
+    anything without a structured-output manager skips this) has compiled the constraint. Raises a 400 APIError
     naming the problem when it cannot compile."""
     params, param = _build(req, tool_schema)
-    manager = getattr(getattr(engine, "core", None), "structured_output_manager", None)
+    manager = getattr(engine, "structured_output_manager", None)
     if params is None or manager is None:
         return params
     try:
