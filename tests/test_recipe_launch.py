@@ -105,7 +105,7 @@ def test_scaled_to_this_machine_keeps_ranks_below_the_cap_and_says_so():
         assert p.arg("--data-parallel-size").words == ("--data-parallel-size", "2")
     assert "decode: 8 ranks in the recipe, 2 here (--max-ranks 2)" in notes
     assert "decode rank 1: --data-parallel-size 8 -> 2 (--max-ranks 2)" in notes
-    agg = compose(RECIPE.recipe, "aggregated-data-expert-parallel", "Latency", variables=LOCAL)
+    agg = compose(RECIPE.recipe, "aggregated-data-expert-parallel", "Latency")
     same, none = scale_plan(agg, 64)
     assert same == agg and none == []
     assert default_max_ranks(2) == 2 and default_max_ranks(64) == 32
@@ -129,10 +129,12 @@ def test_remapped_ports_inside_json_values(tmp_path):
 def test_aggregated_comes_up_and_answers(capsys, tmp_path: Path):
     code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-data-expert-parallel",
                  "--target", "Throughput", "--drop-unsupported", "--duration", "0.2",
-                 "--log-dir", str(tmp_path), "--ready-timeout", "240"])
+                 "--log-dir", str(tmp_path), "--ready-timeout", "240", "--max-ranks", "2"])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "WARNING main: DROPPED --data-parallel-size" in err
+    assert "WARNING main: DROPPED --enable-expert-parallel" in err
+    assert "NOTE scaled to this machine: main: --data-parallel-size 4 -> 2" in err
+    assert "DROPPED --data-parallel-size" not in err  # two data parallel ranks serve
     assert "chat reply: " in err and "all processes stopped" in err
     log = (tmp_path / "main.log").read_text()
     assert "Uvicorn running on http://127.0.0.1:" in log or "Application startup" in log

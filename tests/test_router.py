@@ -115,14 +115,14 @@ PROMPTS = [f"Write two sentences about {t}." for t in
 
 
 def test_greedy_through_both_routers_equals_one_server(topo: Topology) -> None:
-    want = {p: chat(topo.prefill, p)[0] for p in PROMPTS[:4]}
+    want = {p: chat(topo.prefill, p)[0] for p in PROMPTS[:2]}
     before = router_metric(topo.pd_router, "sous:router_decisions_total",
                            decision="disaggregated")
-    for p in PROMPTS[:4]:
+    for p in PROMPTS[:2]:
         assert chat(topo.pd_router, p)[0] == want[p]
         assert chat(topo.decode_router, p, stream=True)[0] == want[p]
     assert router_metric(topo.pd_router, "sous:router_decisions_total",
-                         decision="disaggregated") - before >= 4
+                         decision="disaggregated") - before >= 2
     # Completions, streamed and not, through the P/D router.
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12,
             "temperature": 0}
