@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 import subprocess
@@ -73,3 +75,18 @@ def sous_route(config: Path, endpoints: list[str], log: Path, timeout_s: float =
     cmd = [sys.executable, "-m", "sous.cli", "route", "--config", str(config), "--port",
            str(port), *[w for e in endpoints for w in ("--endpoint", e)], *(extra or [])]
     return _sous_process(cmd, f"http://127.0.0.1:{port}", "/health", log, timeout_s)
+
+
+def serve_flag_error(argv: list[str], environ: dict[str, str] | None = None) -> str:
+    """The error `sous serve *argv` prints when it refuses its flags while parsing them (exit
+    status 2 asserted): the parser the command runs, without starting a process."""
+    from sous.config.engine_args import parse_serve_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parse_serve_args(argv, environ=environ or {})
+    except SystemExit as e:
+        assert e.code == 2, err.getvalue()
+        return err.getvalue()
+    raise AssertionError(f"sous serve {' '.join(argv)}: the flags were accepted")

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from redis_server import RedisServer
-from serve_process import free_port, sous_serve
+from serve_process import free_port, serve_flag_error, sous_serve
 from sous.models.loader import cpu_supports_bf16
 
 CHUNK = 64
@@ -200,28 +200,31 @@ def run_serve(args: list[str], extra_env: dict[str, str], tmp_path: Path,
                           timeout=timeout_s, env={**os.environ, **extra_env}, cwd=tmp_path)
 
 
-@pytest.mark.parametrize(("transfer", "extra_env", "expected"), [
-    ({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, {},
+@pytest.mark.parametrize(("transfer", "expected"), [
+    ({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"},
      "unknown kv_connector 'NoSuchConnector'; known: LMCacheConnectorV1, MultiConnector, "
      "NixlConnector, RBLNLMCacheConnectorV1, RblnNixlConnector"),
-    ({"kv_connector": "LMCacheConnectorV1"}, {}, "kv_role must be one of"),
-    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "bogus": 1}, {},
+    ({"kv_connector": "LMCacheConnectorV1"}, "kv_role must be one of"),
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "bogus": 1},
      "unknown field(s) ['bogus']"),
-    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
-     {"LMCACHE_CHUNK_SIZE": "lots"}, "LMCACHE_CHUNK_SIZE='lots'"),
-    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
-     {"LMCACHE_LOCAL_CPU": "maybe"}, "LMCACHE_LOCAL_CPU='maybe': not a boolean"),
-    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
-     {"LMCACHE_STORAGE_PLUGINS": "X", "LMCACHE_EXTRA_CONFIG": json.dumps(
-         {"storage_plugin.X.module_path": "no_such_module.backend",
-          "storage_plugin.X.class_name": "B"})},
+])
+def test_bad_transfer_config_is_refused_with_the_flags(transfer: dict, expected: str) -> None:
+    err = serve_flag_error([*SMALL, "--kv-transfer-config", json.dumps(transfer)])
+    assert "--kv-transfer-config" in err and expected in err, err
+
+
+@pytest.mark.parametrize(("extra_env", "expected"), [
+    ({"LMCACHE_CHUNK_SIZE": "lots"}, "LMCACHE_CHUNK_SIZE='lots'"),
+    ({"LMCACHE_LOCAL_CPU": "maybe"}, "LMCACHE_LOCAL_CPU='maybe': not a boolean"),
+    ({"LMCACHE_STORAGE_PLUGINS": "X", "LMCACHE_EXTRA_CONFIG": json.dumps(
+        {"storage_plugin.X.module_path": "no_such_module.backend",
+         "storage_plugin.X.class_name": "B"})},
      "storage plugin X: module 'no_such_module.backend' cannot be imported"),
-    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
-     {"LMCACHE_MAX_LOCAL_CPU_SIZE": "0", "LMCACHE_LOCAL_DISK": "/tmp/x",
+    ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "0", "LMCACHE_LOCAL_DISK": "/tmp/x",
       "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}, "LMCache stages local_disk reads and writes"),
 ])
-def test_bad_input_stops_start_up(tmp_path: Path, transfer: dict, extra_env: dict,
-                                  expected: str) -> None:
+def test_bad_input_stops_start_up(tmp_path: Path, extra_env: dict, expected: str) -> None:
+    transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     out = run_serve([*SMALL, "--kv-transfer-config", json.dumps(transfer)], extra_env, tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     assert expected in out.stderr

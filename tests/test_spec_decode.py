@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from serve_process import sous_serve
+from serve_process import serve_flag_error, sous_serve
 
 MODEL = "SmolLM2-135M-Instruct"
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
@@ -46,7 +46,9 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "0.5"}
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     log = tmp_path_factory.mktemp("spec") / "baseline.log"
     with sous_serve(["--max-model-len", "1024"], log, env=ENV) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="x")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        client.sous_memo = {}  # type: ignore[attr-defined]
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +87,18 @@ def spec(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def chat(client: openai.OpenAI, text: str, max_tokens: int = 96, **extra: object):
-    return client.chat.completions.create(
+    """A greedy chat; the baseline server's answers are asked once per module (the same
+    question comes from every drafter's tests)."""
+    memo = getattr(client, "sous_memo", None)
+    key = (text, max_tokens, json.dumps(extra, sort_keys=True, default=str))
+    if memo is not None and key in memo:
+        return memo[key]
+    reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": text}], temperature=0,
         max_tokens=max_tokens, **extra)
+    if memo is not None:
+        memo[key] = reply
+    return reply
 
 
 def answer(r) -> tuple[str, str, int]:
@@ -130,9 +141,9 @@ def test_sixteen_concurrent_with_preemption_equal_plain_decoding(baseline, spec)
     preempted = metrics(url)["vllm:num_preemptions_total"]
 
     def run(c: openai.OpenAI) -> list[tuple[str, str, int]]:
-        with ThreadPoolExecutor(16) as pool:  # 16 x ~240 tokens: more than the 1264 it holds
+        with ThreadPoolExecutor(16) as pool:  # 16 x ~180 tokens: more than the 1264 it holds
             return list(pool.map(lambda t: answer(chat(
-                c, t, max_tokens=160, extra_body={"ignore_eos": True})), texts))
+                c, t, max_tokens=100, extra_body={"ignore_eos": True})), texts))
 
     assert run(client) == run(baseline)
     assert metrics(url)["vllm:num_preemptions_total"] > preempted
@@ -179,13 +190,21 @@ def test_structured_output_and_seeded_sampling(baseline, spec) -> None:
     ('{"method": "medusa2", "num_speculative_tokens": 3}', "unknown method 'medusa2'"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
-    ('{"method": "mtp", "num_speculative_tokens": 1}', "needs a model whose MTP modules sous runs"),
-    ('{"method": "eagle3", "model": "/x/eagle3", "num_speculative_tokens": 3}',
-     "is not an EAGLE-3 draft checkpoint here: no such folder"),
     ('{"method": "eagle3", "model": "/x/eagle3", "num_speculative_tokens": 0}',
      "num_speculative_tokens must be in [1, 32], got 0"),
 ])
-def test_bad_speculative_config_exits_2_naming_it(config: str, needle: str, tmp_path: Path) -> None:
+def test_bad_speculative_config_exits_2_naming_it(config: str, needle: str) -> None:
+    err = serve_flag_error(["--speculative-config", config])
+    assert "--speculative-config" in err and needle in err, err
+
+
+@pytest.mark.parametrize("config,needle", [
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "needs a model whose MTP modules sous runs"),
+    ('{"method": "eagle3", "model": "/x/eagle3", "num_speculative_tokens": 3}',
+     "is not an EAGLE-3 draft checkpoint here: no such folder"),
+])
+def test_drafter_the_model_cannot_serve_exits_2_naming_it(config: str, needle: str,
+                                                          tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "sous.cli", "serve", "--speculative-config", config],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]

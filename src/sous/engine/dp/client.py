@@ -20,12 +20,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -34,36 +32,13 @@ from sous.config.engine import EngineConfig
 from sous.config.errors import ConfigError
 from sous.engine.async_llm import Outbox, OutputCollector
 from sous.engine.dp import wire
+from sous.engine.dp.rank import start_local_ranks
 from sous.engine.errors import EngineDeadError
 from sous.engine.outputs import RequestOutput
 from sous.engine.sampling_params import SamplingParams
 from sous.engine.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """`config` for data parallel rank `rank` (of those this node runs)."""
-    par = config.parallel
-    return replace(config, parallel=replace(par, data_parallel_rank=rank,
-                                            data_parallel_size_local=par.dp_size_local))
-
-
-def start_local_ranks(config: EngineConfig, coordinator: str, reasoning_parser: str | None,
-                      ) -> dict[int, multiprocessing.process.BaseProcess]:
-    """Start ranks --data-parallel-start-rank .. + --data-parallel-size-local here."""
-    from sous.engine.dp.rank import rank_main
-
-    par = config.parallel
-    ctx = multiprocessing.get_context(par.worker_multiproc_method)
-    procs = {}
-    for rank in range(par.data_parallel_start_rank,
-                      par.data_parallel_start_rank + par.dp_size_local):
-        proc = ctx.Process(target=rank_main, name=f"sous-dp{rank}", daemon=True,
-                           args=(rank_config(config, rank), coordinator, reasoning_parser))
-        proc.start()
-        procs[rank] = proc
-    return procs
 
 
 def coordinator_address(config: EngineConfig) -> tuple[str, int | None]:
@@ -159,7 +134,10 @@ class DPAsyncLLM:
                 missing = sorted(set(range(self.size)) - set(infos))
                 raise ConfigError(f"data parallel ranks {missing} were not ready within "
                                   f"{timeout_s:g} s (VLLM_ENGINE_READY_TIMEOUT_S)")
-            self._ping(infos)  # ranks already up must not take the wait for silence
+            try:
+                self._ping(infos)  # ranks already up must not take the wait for silence
+            except EngineDeadError as e:
+                raise ConfigError(f"while starting: {e}") from None
             if not self._router.poll(200):
                 continue
             ident, frame = self._router.recv_multipart()
@@ -386,9 +364,14 @@ class DPAsyncLLM:
                     ("refused", "the API server is already serving"))])
 
     def _ping(self, ranks: Iterable[int] | None = None) -> None:
+        """Ping `ranks` (default: all); EngineDeadError for one whose connection is gone (a
+        remote rank's process died: ZMQ dropped its peer)."""
         for rank in range(self.size) if ranks is None else ranks:
-            with contextlib.suppress(zmq.ZMQError):  # a rank gone: noticed by _lost_rank
+            try:
                 self._router.send_multipart([wire.identity(rank), wire.dumps(("ping",))])
+            except zmq.ZMQError as e:
+                raise EngineDeadError(f"data parallel rank {rank} is unreachable ({e})"
+                                      ) from None
 
     def _lost_rank(self) -> str | None:
         """Why a rank is lost (its process exited, or it has been silent), or None."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from sous.config.engine import EngineConfig
 from sous.engine.dp import wire
-from sous.engine.dp.client import start_local_ranks
+from sous.engine.dp.rank import start_local_ranks
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -47,6 +49,28 @@ def rank_main(config: EngineConfig, coordinator: str, reasoning_parser: str | No
         logger.error("data parallel rank %d: %s", rank, e)
         code = 2
     os._exit(code)  # no atexit hooks of a torch process half torn down: the parent reaps us
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """`config` for data parallel rank `rank` (of those this node runs)."""
+    par = config.parallel
+    return replace(config, parallel=replace(par, data_parallel_rank=rank,
+                                            data_parallel_size_local=par.dp_size_local))
+
+
+def start_local_ranks(config: EngineConfig, coordinator: str, reasoning_parser: str | None,
+                      ) -> dict[int, multiprocessing.process.BaseProcess]:
+    """Start ranks --data-parallel-start-rank .. + --data-parallel-size-local here."""
+    par = config.parallel
+    ctx = multiprocessing.get_context(par.worker_multiproc_method)
+    procs = {}
+    for rank in range(par.data_parallel_start_rank,
+                      par.data_parallel_start_rank + par.dp_size_local):
+        proc = ctx.Process(target=rank_main, name=f"sous-dp{rank}", daemon=True,
+                           args=(rank_config(config, rank), coordinator, reasoning_parser))
+        proc.start()
+        procs[rank] = proc
+    return procs
 
 
 def handshake(sock: zmq.Socket, rank: int, coordinator: str, timeout_s: float) -> None:
