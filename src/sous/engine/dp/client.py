@@ -106,6 +106,8 @@ class DPAsyncLLM:
         self._closed: str | None = None
         self._error: str | None = None
         self._stopped = False
+        self._ended = False
+        """The loop has returned: calls fail at once instead of waiting for it."""
         self._loop_running = threading.Event()
         try:
             infos = self._wait_ready(config.engine_ready_timeout_s)
@@ -280,8 +282,8 @@ class DPAsyncLLM:
         call_id = next(self._call_ids)
         fut: Future = Future()
         self._calls[call_id] = fut
-        if self._closed is not None and self._error is not None:
-            fut.set_exception(EngineDeadError(self._closed))
+        if self._ended:
+            fut.set_exception(EngineDeadError(self._closed or "The engine has stopped."))
         else:
             self._push(rank, ("call", call_id, name, args))
         return asyncio.wrap_future(fut)
@@ -386,6 +388,7 @@ class DPAsyncLLM:
 
     def _end(self, reason: str) -> None:
         """Accept nothing more; fail calls and requests still waiting."""
+        self._ended = True
         self._loop_running.clear()
         if self._closed is None or self._error is not None:
             self._closed = reason

@@ -19,12 +19,14 @@ Numerics follow transformers 5.24 (`MiniMaxM2TopKRouter`, `DeepseekV3TopkRouter`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sous.models.layers.activation import silu_and_mul
+from sous.models.layers.expert_parallel import ExpertPlacement, ep_moe_forward
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,6 @@ def fused_experts(
     has no kernel for the device and dtype, one matmul per expert runs instead (that path
     reads the per-expert counts on the host), and also where a row is not a multiple of 16
     bytes, which the grouped matmul requires."""
-    t, h = x.shape
     k = topk_ids.shape[1]
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
@@ -123,19 +124,25 @@ def fused_experts(
     token_idx = order // k
     weights = topk_weights.reshape(-1).index_select(0, order)
     counts = torch.bincount(flat_ids, minlength=num_experts)
-    xs = x.index_select(0, token_idx)
-    row_bytes = w2.shape[2] * x.element_size()  # I; H and 2I follow for the usual shapes
-    aligned = row_bytes % 16 == 0 and h * x.element_size() % 16 == 0
-    if aligned and _grouped_mm_works(x.device, x.dtype):
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        act = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
-        ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
-        ys = (ys * weights[:, None]).to(x.dtype)
-    else:
-        ys = _experts_loop(xs, w13, w2, weights, counts)
+    ys = expert_rows(x.index_select(0, token_idx), w13, w2, weights, counts)
     out = torch.zeros_like(x)
     out.index_add_(0, token_idx, ys)
     return out
+
+
+def expert_rows(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+    """The weighted expert outputs of rows `xs` `[N, H]` sorted by expert: the first
+    `counts[0]` rows go through expert 0 of `w13`/`w2`, the next `counts[1]` through expert 1,
+    and so on; each output row times its float32 weight, in xs's dtype (see `fused_experts`)."""
+    row_bytes = w2.shape[2] * xs.element_size()  # I; H and 2I follow for the usual shapes
+    aligned = row_bytes % 16 == 0 and xs.shape[1] * xs.element_size() % 16 == 0
+    if aligned and xs.shape[0] and _grouped_mm_works(xs.device, xs.dtype):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        act = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+        ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+        return (ys * weights[:, None]).to(xs.dtype)
+    return _experts_loop(xs, w13, w2, weights, counts)
 
 
 def _experts_loop(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -192,24 +199,30 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         router_dtype: torch.dtype = torch.float32,
+        placement: ExpertPlacement | None = None,
+        ep_group: Any = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.placement = placement
+        """Expert parallel: the block of routed experts this rank holds (None: all of them)."""
+        self.ep_group = ep_group
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        e = cfg.num_experts if placement is None else placement.count
 
         def param(shape: tuple[int, ...], dt: torch.dtype) -> nn.Parameter:
             return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
 
-        self.gate_weight = param((e, h), router_dtype)
+        self.gate_weight = param((cfg.num_experts, h), router_dtype)
         self.e_score_correction_bias = (
-            param((e,), torch.float32) if cfg.has_correction_bias else None
+            param((cfg.num_experts,), torch.float32) if cfg.has_correction_bias else None
         )
         self.w13 = param((e, 2 * i, h), dtype)
         self.w2 = param((e, h, i), dtype)
         self._router_loaded = False
         self._bias_loaded = False
         self._expert_loaded = torch.zeros((e, 3), dtype=torch.bool)
-        """Per expert: gate rows, up rows, down loaded."""
+        """Per expert held here: gate rows, up rows, down loaded."""
 
     # ---------------------------------------------------------------- weights
     def load_weight(self, kind: str, w: torch.Tensor, expert_id: int | None = None) -> None:
@@ -227,21 +240,30 @@ class FusedMoE(nn.Module):
             self._copy(self.e_score_correction_bias, w, kind)
             self._bias_loaded = True
         elif expert_id is None and kind == "gate_up_proj":
-            self._copy(self.w13, w, kind)
+            self._copy(self.w13, self._held(w), kind)
             self._expert_loaded[:, :2] = True
         elif expert_id is None and kind == "down_proj":
-            self._copy(self.w2, w, kind)
+            self._copy(self.w2, self._held(w), kind)
             self._expert_loaded[:, 2] = True
         elif expert_id is not None and kind in _PER_EXPERT:
-            e = expert_id
-            if not 0 <= e < self.cfg.num_experts:
-                raise ValueError(f"expert id {e} out of range 0..{self.cfg.num_experts - 1}")
+            if not 0 <= expert_id < self.cfg.num_experts:
+                raise ValueError(f"expert id {expert_id} out of range "
+                                 f"0..{self.cfg.num_experts - 1}")
+            e = expert_id if self.placement is None else self.placement.local_id(expert_id)
+            if e is None:
+                return  # another expert parallel rank holds it
             part = _PER_EXPERT[kind]
             dst = self.w2[e] if part == 2 else self.w13[e, part * i : (part + 1) * i]
             self._copy(dst, w, f"{kind} of expert {e}")
             self._expert_loaded[e, part] = True
         else:
             raise ValueError(f"unknown MoE weight kind {kind!r} (expert_id={expert_id})")
+
+    def _held(self, w: torch.Tensor) -> torch.Tensor:
+        """The experts this rank holds of a tensor over all of them (dim 0)."""
+        if self.placement is None or w.shape[0] != self.cfg.num_experts:
+            return w
+        return w[self.placement.start:self.placement.end]
 
     @staticmethod
     def _copy(dst: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -258,7 +280,9 @@ class FusedMoE(nn.Module):
         if self.e_score_correction_bias is not None and not self._bias_loaded:
             missing.append("correction_bias")
         for part, name in enumerate(_PER_EXPERT):
-            absent = (~self._expert_loaded[:, part]).nonzero().flatten().tolist()
+            first = 0 if self.placement is None else self.placement.start
+            held = (~self._expert_loaded[:, part]).nonzero().flatten().tolist()
+            absent = [first + e for e in held]
             if absent:
                 shown = ", ".join(map(str, absent[:8])) + (" ..." if len(absent) > 8 else "")
                 missing.append(f"{name} of experts {shown}")
@@ -267,7 +291,10 @@ class FusedMoE(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[T, H]` -> routed experts' weighted sum `[T, H]` in x's dtype."""
+        """x `[T, H]` -> routed experts' weighted sum `[T, H]` in x's dtype. With a placement
+        every rank of `ep_group` must call this together (`ep_moe_forward`)."""
+        if self.placement is not None and self.placement.size > 1:
+            return ep_moe_forward(x, self, self.placement, self.ep_group)
         logits = F.linear(x.to(self.gate_weight.dtype), self.gate_weight).float()
         weights, ids = select_experts(logits, self.e_score_correction_bias, self.cfg)
         return fused_experts(x, self.w13, self.w2, weights, ids)
