@@ -62,7 +62,9 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
     (["--data-parallel-rank", "0"], True),
     (["--data-parallel-address", "<POD_IP>"], True),
     (["--data-parallel-rpc-port", "5555"], True),
-    (["--enable-expert-parallel"], False),
+    (["--enable-expert-parallel", "--data-parallel-size", "4"], True),
+    (["--enable-expert-parallel", "--data-parallel-size", "4", "--data-parallel-rank", "1"],
+     False),
     (["--pipeline-parallel-size", "4"], False),
     (["--kv-cache-dtype", "fp8"], True),
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], True),
@@ -138,6 +140,8 @@ def test_every_recipe_arg_parses_or_is_not_yet(capsys: pytest.CaptureFixture[str
             argv += ["--tool-call-parser", "hermes"]
         if argv[0] == "--data-parallel-rank":  # below the size, as the recipes pass them
             argv += ["--data-parallel-size", str(int(argv[1]) + 1)]
+        if argv == ["--enable-expert-parallel"]:  # the recipes pass it with their DP size
+            argv += ["--data-parallel-size", "4"]
         try:
             parse_serve_args(argv, environ={})
         except SystemExit as e:
@@ -148,6 +152,7 @@ def test_every_recipe_arg_parses_or_is_not_yet(capsys: pytest.CaptureFixture[str
 
 def test_all_not_yet_flags_listed_at_once(capsys: pytest.CaptureFixture[str]) -> None:
     err = _exit2(["--pipeline-parallel-size", "4", "--enable-expert-parallel",
+                  "--data-parallel-size", "2", "--data-parallel-rank", "0",
                   "--tensor-parallel-size", "2",
                   "--no-enable-chunked-prefill", "--model-impl", "transformers"], capsys)
     for flag in ("--pipeline-parallel-size", "--enable-expert-parallel",

@@ -1,21 +1,29 @@
-"""Expert parallel MoE layers over a real gloo process group (two processes): each rank's
-`FusedMoE` holds only its block of experts, and every rank's output equals, bit for bit, the
-rows a one-process layer holding every expert computes for all ranks' tokens together — with
-uneven token counts, an idle rank (no tokens), DeepSeek-V3 grouped routing and MiniMax-M2
-softmax routing."""
+"""Expert parallel serving. The MoE layer over a real gloo process group (two processes):
+each rank's `FusedMoE` holds only its block of experts, and every rank's output equals, bit
+for bit, the rows a one-process layer holding every expert computes for all ranks' tokens
+together — with uneven token counts, an idle rank (no tokens), DeepSeek-V3 grouped routing and
+MiniMax-M2 softmax routing. Then `sous serve --data-parallel-size 2 --enable-expert-parallel`
+on tiny DeepSeek-V3 and MiniMax-M2 checkpoints answers greedy completions token for token as
+one process does, alone and 16 at once (idle ranks step with the busy one), each rank holding
+half of every MoE layer's experts; bad combinations exit 2 naming the flags."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from serve_process import serve_flag_error, sous_serve
 from sous.models.layers.expert_parallel import ExpertPlacement
 from sous.models.layers.moe import FusedMoE, MoEConfig
+from tiny_models import make_tiny_deepseek, make_tiny_minimax_m2
 
 CONFIGS = {
     "deepseek": MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16,
@@ -100,3 +108,71 @@ def test_placement_blocks_and_errors() -> None:
     assert ExpertPlacement(1, 3, 8).local_id(4) == 1 and ExpertPlacement(1, 3, 8).local_id(2) is None
     with pytest.raises(ValueError, match="every rank needs at least one"):
         ExpertPlacement(0, 9, 8)
+
+
+MODELS = {  # maker, routed experts, MoE layers, expert weights per layer (E x (2I x H + H x I))
+    "deepseek_v3": (lambda p: make_tiny_deepseek(p, "DeepseekV3ForCausalLM", seed=5), 8, 2,
+                    8 * 3 * 32 * 64),
+    "minimax_m2": (make_tiny_minimax_m2, 8, 3, 8 * 3 * 32 * 64),
+}
+SENTENCE = "the cat and the dog are big and the sun is red"
+
+
+def _complete(url: str, prompt: str) -> str:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                    extra_body={"min_tokens": 10})
+    return out.choices[0].text
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_dp2_expert_parallel_answers_as_one_process(arch: str, tmp_path: Path) -> None:
+    make, experts, layers, per_layer = MODELS[arch]
+    path = make(tmp_path)
+    args = [str(path), "--dtype", "float32", "--max-model-len", "256", "--block-size", "16",
+            "--kv-cache-memory-bytes", "16MiB"]
+    words = SENTENCE.split()
+    rotations = [words[i:] + words[:i] for i in range(len(words))]
+    prompts = [" ".join(w) for w in rotations + [r[::-1] for r in rotations]][:16]
+    env = {"OMP_NUM_THREADS": "1"}
+    with sous_serve(args, tmp_path / "one.log", env=env) as one:
+        want = [_complete(one, p) for p in prompts]
+    ep_args = [*args, "--data-parallel-size", "2", "--enable-expert-parallel"]
+    with sous_serve(ep_args, tmp_path / "ep.log", env=env) as ep:
+        assert [_complete(ep, p) for p in prompts[:2]] == want[:2]  # one rank idle
+        with ThreadPoolExecutor(16) as pool:
+            assert list(pool.map(lambda p: _complete(ep, p), prompts)) == want
+    log = (tmp_path / "ep.log").read_text()
+    half = experts // 2
+    for rank, (lo, hi) in enumerate(((0, half - 1), (half, experts - 1))):
+        line = (f"Expert parallel: rank {rank} of 2 holds routed experts {lo}-{hi} of "
+                f"{experts} in each of {layers} MoE layers ({layers * per_layer // 2} expert "
+                "weights here)")
+        assert line in log, re.findall(r"Expert parallel: .*", log)
+
+
+def test_expert_parallel_on_a_dense_model_exits_2_naming_the_flag(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "sous.cli", "serve", "--data-parallel-size", "2",
+                        "--enable-expert-parallel", "--max-model-len", "512"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "0.1"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "--enable-expert-parallel: LlamaForCausalLM has no MoE layers" in r.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--enable-expert-parallel"], "--enable-expert-parallel needs --data-parallel-size > 1"),
+    (["--enable-expert-parallel", "--data-parallel-size", "2", "--data-parallel-rank", "1"],
+     "`--enable-expert-parallel` is not supported yet"),
+    (["--enable-expert-parallel", "--data-parallel-size", "2", "--speculative-config",
+      '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
+     "--enable-expert-parallel with --speculative-config is not supported yet"),
+])
+def test_expert_parallel_flag_combinations_exit_2(argv: list[str], needle: str) -> None:
+    assert needle in serve_flag_error(argv)

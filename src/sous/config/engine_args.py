@@ -191,7 +191,8 @@ def _structured_outputs_problem(value: dict[str, Any] | None) -> str | None:
 
 
 class NotYet(NamedTuple):
-    """One row of the not-supported-yet table: `when(value)` true means refuse."""
+    """One row of the not-supported-yet table: `when(value)` true (and `context`, if any, true
+    of all the values) means refuse."""
 
     field: str
     when: Callable[[Any], bool]
@@ -199,6 +200,13 @@ class NotYet(NamedTuple):
     reason: str
     refused: str = ""
     """The refused values as `--help` shows them (e.g. `> 1`); empty: any value."""
+    context: Callable[[Mapping[str, Any]], bool] | None = None
+    """Refuse only when this is also true of all the flags' values (None: always)."""
+
+    def refuses(self, values: Mapping[str, Any]) -> bool:
+        """True when `values` (field name -> value) hold a refused setting of this row."""
+        return (self.field in values and bool(self.when(values[self.field]))
+                and (self.context is None or self.context(values)))
 
 
 NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
@@ -207,7 +215,10 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("pipeline_parallel_size", lambda v: v > 1, "--pipeline-parallel-size",
            "pipeline parallel stages are planned", "> 1"),
     NotYet("enable_expert_parallel", bool, "--enable-expert-parallel",
-           "expert parallelism needs several ranks"),
+           "expert parallel over ranks that are separate servers (--data-parallel-rank, "
+           "behind a router) is planned; one API server with --data-parallel-size N splits "
+           "the experts over its ranks", "with --data-parallel-rank",
+           context=lambda v: v.get("data_parallel_rank") is not None),
     NotYet("enable_chunked_prefill", lambda v: not v, "--no-enable-chunked-prefill",
            "the scheduler always chunks prefills"),
     NotYet("model_impl", lambda v: v == "transformers", "--model-impl",
@@ -240,6 +251,13 @@ def _parallel_problems(values: Mapping[str, Any]) -> list[str]:
     elif start and rank is None:
         out.append(f"--data-parallel-start-rank {start}: only with --headless (the API "
                    "server's node runs ranks from 0)")
+    if values.get("enable_expert_parallel") and rank is None:
+        if size < 2:
+            out.append("--enable-expert-parallel needs --data-parallel-size > 1: the routed "
+                       "experts are split over the data parallel ranks")
+        elif values.get("speculative_config"):
+            out.append("--enable-expert-parallel with --speculative-config is not supported "
+                       "yet: draft passes would have to run on every rank in step")
     if size > 1 and rank is None and values.get("distributed_executor_backend") == "mp":
         out.append("--distributed-executor-backend mp with --data-parallel-size > 1 is not "
                    "supported yet: each data parallel rank runs its model in its own process")
@@ -253,7 +271,8 @@ class NotSupportedYetError(ValueError):
 def _not_yet_messages(values: Mapping[str, Any], *, as_kwargs: bool = False) -> list[str]:
     out = []
     for row in NOT_SUPPORTED_YET:
-        if row.field in values and row.when(value := values[row.field]):
+        if row.refuses(values):
+            value = values[row.field]
             name = f"{row.field}={value!r}" if as_kwargs else row.flag
             got = "" if as_kwargs or isinstance(value, bool) else f" (got {value!r})"
             out.append(f"`{name}` is not supported yet{got}: {row.reason}.")

@@ -50,6 +50,13 @@ class ParallelConfig:
         return self.data_parallel_rank or 0
 
     @property
+    def expert_parallel_active(self) -> bool:
+        """This engine is one rank of an expert parallel group (a data parallel rank process
+        of `--data-parallel-size N --enable-expert-parallel`)."""
+        return (self.enable_expert_parallel and self.data_parallel_size > 1
+                and self.data_parallel_rank is not None)
+
+    @property
     def dp_size_local(self) -> int:
         """Data parallel ranks started on this node."""
         if self.data_parallel_size_local is not None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from sous.config.engine import EngineConfig
 from sous.engine.core import EngineCore
+from sous.engine.dp.lockstep import IDLE_POLL_S
 from sous.engine.errors import EngineDeadError
 from sous.engine.outputs import RequestOutput
 from sous.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -316,7 +317,8 @@ class AsyncLLM:
                 except queue.Empty:
                     pass
                 idle = False
-                if self.core.has_unfinished_requests() or self.core.has_pending_kv_transfers():
+                if (self.core.step_sync is not None or self.core.has_unfinished_requests()
+                        or self.core.has_pending_kv_transfers()):
                     idle = self.core.step() == 0
                 self._outbox.flush()
                 self._stats = self.core.stats()
@@ -336,7 +338,7 @@ class AsyncLLM:
         while requests run, `KV_TRANSFER_POLL_S` while only KV transfers are pending (the
         last step ran nothing)."""
         if not self.core.has_unfinished_requests() and not self.core.has_pending_kv_transfers():
-            return None
+            return None if self.core.step_sync is None else IDLE_POLL_S
         return KV_TRANSFER_POLL_S if idle else 0
 
     def _end(self, reason: str) -> None:

@@ -18,6 +18,7 @@ import torch
 from sous.config.engine import EngineConfig
 from sous.config.errors import ConfigError
 from sous.config.structured_outputs import StructuredOutputsConfig
+from sous.engine.dp.lockstep import StepSync
 from sous.engine.executor import make_executor
 from sous.engine.kv_cache.hashing import warn_if_hashes_unshared
 from sous.engine.kv_cache.manager import KVCacheManager
@@ -140,6 +141,8 @@ class EngineCore:
         self.scheduler.gates.append(self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.spec_logger: SpecDecodingLogger | None = None
+        self.step_sync: StepSync | None = None
+        """Expert parallel: every step is agreed with the other data parallel ranks."""
         spec = info.speculative_config
         if spec is not None:
             assert spec.num_speculative_tokens is not None
@@ -276,7 +279,11 @@ class EngineCore:
         so = self.structured_output_manager
         self._fail(so.take_failed())
         out = self.scheduler.schedule()
-        if out.is_empty and not self.scheduler.has_pending_kv_transfers():
+        if self.step_sync is not None:  # expert parallel: a forward pass if any rank runs one
+            out.forward_required = self.step_sync.any_rank_runs(
+                out.total_num_scheduled_tokens > 0)
+        if out.is_empty and not self.scheduler.has_pending_kv_transfers() and not (
+                out.forward_required):
             if so.has_pending():
                 so.wait_pending(timeout=0.05)
             return 0

@@ -90,6 +90,8 @@ class ModelRunner:
         self.connector: KVConnectorBase | None = None
         self.kv_hooks: KVLayerHooks | None = None
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.lockstep = False
+        """Expert parallel: every forward pass is a collective with the other ranks."""
         self._target_step: TargetStep | None = None
         """The last batched forward pass, for a proposer that `uses_target_step`."""
         torch.manual_seed(seed)
@@ -179,6 +181,8 @@ class ModelRunner:
              result: ModelRunnerOutput) -> ModelRunnerOutput:
         """Run `req_ids`' share of the step, isolating a failing request (module docstring)."""
         if not req_ids:
+            if so.forward_required:
+                self.dummy_forward()
             return result
         saved = {r: s.generator.get_state() for r in req_ids
                  if (s := self.requests[r]).generator is not None}
@@ -192,6 +196,8 @@ class ModelRunner:
             if len(req_ids) == 1:
                 _fail(result, req_ids[0], e, "step")
                 return result
+            if self.lockstep:  # a re-run would be collectives the other ranks never join
+                raise
             logger.warning("A step of %d requests failed (%s: %s); re-running them one by one "
                            "to find the failing request.", len(req_ids), type(e).__name__, e)
         for rid, state in saved.items():  # seeded rows sample again from the same state
@@ -207,6 +213,15 @@ class ModelRunner:
                 _fail(result, rid, e, "step")
         self._target_step = None  # the drafter's positions need the whole step at once
         return self._propose(result)
+
+    def dummy_forward(self) -> None:
+        """One token through the model, written to slot 0 of the null block (block 0, never
+        a request's): an idle expert parallel rank's share of the step's collectives."""
+        meta = AttentionMetadata.build(query_lens=[1], seq_lens=[1], block_tables=[[0]],
+                                       block_size=self.block_size, device=self.device)
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.model(ids, meta.positions, self.kv_caches, meta)
 
     def _propose(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
         """The next step's drafts of the requests that sampled (module docstring)."""

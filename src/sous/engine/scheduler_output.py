@@ -82,6 +82,9 @@ class SchedulerOutput:
     grammar: GrammarOutput | None = None
     """Token bitmask of the structured-output rows (set by the engine after scheduling)."""
     kv_connector_metadata: KVConnectorMetadata | None = None
+    forward_required: bool = False
+    """Expert parallel: another rank runs a forward pass this step, so this one must too (a
+    one-token dummy pass when it has nothing to run): every MoE layer is a collective."""
     """The KV connector's plan for this step (loads, saves), for its worker side."""
 
     @property

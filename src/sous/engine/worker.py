@@ -22,6 +22,7 @@ import torch
 from sous.config.engine import EngineConfig
 from sous.config.errors import ConfigError
 from sous.engine.cpu_threads import CpuBinding, apply_cpu_threads
+from sous.engine.dp.lockstep import expert_parallel_loading, log_expert_placement
 from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sous.engine.spec_decode.config import resolve_speculative_config
@@ -85,7 +86,11 @@ class Worker:
                 local_dp_size=local)
 
     def load_model(self) -> ModelInfo:
-        loaded = self._loaded or load_model(self.config.model, self.config.load, self.device)
+        with expert_parallel_loading(self.config):
+            loaded = self._loaded or load_model(self.config.model, self.config.load,
+                                                self.device)
+        if self.config.parallel.expert_parallel_active:
+            log_expert_placement(loaded.model)
         self._loaded = None
         self.loaded = loaded
         cache = self.config.cache
@@ -155,6 +160,7 @@ class Worker:
             seed=self.config.model.seed, max_num_reqs=self.config.scheduler.max_num_seqs,
             max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids),
             max_spec_tokens=k, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
+        self.runner.lockstep = self.config.parallel.expert_parallel_active
         if self.draft is not None:
             from sous.engine.spec_decode.eagle_proposer import EagleProposer
 

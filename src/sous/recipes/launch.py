@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import socket
 import sys
@@ -154,8 +155,7 @@ def unsupported_flags(argv: Sequence[str]) -> list[tuple[str, str]]:
     except SystemExit:
         raise RecipeError(f"sous serve cannot parse: {' '.join(argv)}") from None
     found = vars(values)
-    out = [(row.flag, row.reason) for row in NOT_SUPPORTED_YET
-           if row.field in found and row.when(found[row.field])]
+    out = [(row.flag, row.reason) for row in NOT_SUPPORTED_YET if row.refuses(found)]
     out += [(x.partition("=")[0], "unknown to sous serve") for x in extras if x.startswith("-")]
     return out
 
@@ -175,9 +175,29 @@ class LaunchSpec:
     """The process clients talk to (the router, when the plan has one)."""
 
 
-def _stand_in_args(process: Process, stand_in_len: int | None) -> tuple[list[Arg], list[str]]:
+def stand_in_has_experts(stand_in: str | None) -> bool:
+    """Whether the stand-in model has routed experts (a folder whose config.json says so; the
+    bundled model and GGUF files are dense)."""
+    if stand_in is None:
+        return False
+    config = Path(stand_in).expanduser() / "config.json"
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return any(int(values.get(k) or 0) > 0
+               for k in ("n_routed_experts", "num_local_experts", "num_experts"))
+
+
+def _stand_in_args(process: Process, stand_in_len: int | None, stand_in: str | None = None,
+                   ) -> tuple[list[Arg], list[str]]:
     args, notes = [], []
+    dense = not stand_in_has_experts(stand_in)
     for arg in process.args:
+        if arg.flag == "--enable-expert-parallel" and dense:
+            notes.append(f"{arg.text}: the stand-in model is dense, it has no experts to split "
+                         "(removed; a MoE --stand-in keeps it)")
+            continue
         if arg.flag in _CHECKPOINT_FLAGS:
             notes.append(f"{arg.text} pins {process.model}'s checkpoint: removed (stand-in)")
             continue
@@ -237,7 +257,7 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
         if process.launcher_words != ["vllm", "serve"]:
             raise RecipeError(f"{process.label}: launcher {process.launcher!r} is not "
                               "`vllm serve`; sous can only stand in for vllm serve")
-        args, notes = _stand_in_args(process, stand_in_len)
+        args, notes = _stand_in_args(process, stand_in_len, stand_in)
         dp_rank = _dp_rank(args)
         args = [_remap_arg(a, ports, dp_rank) for a in args]
         bad = unsupported_flags([w for a in args for w in a.words])

@@ -33,6 +33,7 @@ from sous.config.errors import ConfigError
 from sous.engine.async_llm import Outbox, OutputCollector
 from sous.engine.dp import wire
 from sous.engine.dp.rank import start_local_ranks
+from sous.engine.dp.wire import free_port
 from sous.engine.errors import EngineDeadError
 from sous.engine.outputs import RequestOutput
 from sous.engine.sampling_params import SamplingParams
@@ -91,6 +92,11 @@ class DPAsyncLLM:
             raise ConfigError(f"--data-parallel-address {host} --data-parallel-rpc-port {port}: "
                               f"the coordinator cannot listen there ({e})") from None
         self.address = f"tcp://{host}:{port}"
+        self._welcome_settings: dict[str, Any] = {}
+        """What every rank is told when it joins: the process group's port (expert
+        parallel ranks rendezvous there, rank 0 hosting the store)."""
+        if config.parallel.enable_expert_parallel:
+            self._welcome_settings["group_port"] = free_port(host)
         self._pull = self._ctx.socket(zmq.PULL)
         self._inproc = f"inproc://sous-dp-out-{id(self)}"
         self._pull.bind(self._inproc)
@@ -159,7 +165,7 @@ class DPAsyncLLM:
         elif rank in infos or ident != wire.identity(rank):
             why = f"rank {rank} has already joined"
         else:
-            self._router.send_multipart([ident, wire.dumps(("welcome",))])
+            self._router.send_multipart([ident, wire.dumps(("welcome", self._welcome_settings))])
             return
         logger.error("Data parallel: refused a rank: %s", why)
         self._router.send_multipart([ident, wire.dumps(("refused", why))])

@@ -32,6 +32,7 @@ from sous.config.engine import EngineConfig
 from sous.config.errors import ConfigError
 from sous.engine.async_llm import AsyncLLM
 from sous.engine.dp import wire
+from sous.engine.dp.lockstep import StepSync, init_dp_group
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,10 @@ def start_local_ranks(config: EngineConfig, coordinator: str, reasoning_parser: 
     return procs
 
 
-def handshake(sock: zmq.Socket, rank: int, coordinator: str, timeout_s: float) -> None:
-    """Say hello and wait for the welcome; ConfigError naming the flags when no coordinator
-    answers in `timeout_s` or it refuses this rank."""
+def handshake(sock: zmq.Socket, rank: int, coordinator: str, timeout_s: float,
+              ) -> dict[str, Any]:
+    """Say hello and return the welcome's settings; ConfigError naming the flags when no
+    coordinator answers in `timeout_s` or it refuses this rank."""
     sock.send(wire.dumps(("hello", rank)))
     if not sock.poll(int(timeout_s * 1000)):
         raise ConfigError(
@@ -86,6 +88,7 @@ def handshake(sock: zmq.Socket, rank: int, coordinator: str, timeout_s: float) -
     if reply[0] == "refused":
         raise ConfigError(f"data parallel rank {rank}: the coordinator at {coordinator} "
                           f"refused it: {reply[1]}")
+    return reply[1]
 
 
 def run_rank(config: EngineConfig, coordinator: str, reasoning_parser: str | None) -> int:
@@ -97,8 +100,14 @@ def run_rank(config: EngineConfig, coordinator: str, reasoning_parser: str | Non
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(coordinator)
     try:
-        handshake(sock, rank, coordinator, wire.connect_timeout_s())
+        welcome = handshake(sock, rank, coordinator, wire.connect_timeout_s())
+        expert_parallel = config.parallel.expert_parallel_active
+        if expert_parallel:
+            host = coordinator.split("://", 1)[1].rsplit(":", 1)[0]
+            init_dp_group(host, welcome["group_port"], rank, config.parallel.data_parallel_size)
         llm = AsyncLLM.from_config(config, start_thread=False)
+        if expert_parallel:
+            llm.core.step_sync = StepSync()
         if reasoning_parser:
             from sous.server.api_server import connect_reasoning_to_structured_output
 
@@ -110,6 +119,7 @@ def run_rank(config: EngineConfig, coordinator: str, reasoning_parser: str | Non
         finally:
             bridge.finish(llm.dead_reason if llm.died else None)
             llm.shutdown()
+            StepSync.close()
         return 1 if llm.died else 0
     finally:
         sock.close(linger=1000)

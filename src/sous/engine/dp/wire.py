@@ -14,7 +14,8 @@ Rank -> API server:
 * `("dead", rank, reason)`: the rank's engine loop ended on an error.
 
 API server -> rank:
-* `("welcome",)` or `("refused", reason)`: the answer to hello.
+* `("welcome", settings)` or `("refused", reason)`: the answer to hello; `settings` may hold
+  `group_port`, where expert parallel ranks form their process group.
 * `("add", request_id, prompt_token_ids, SamplingParams, prompt)`, `("abort", request_id)`.
 * `("call", call_id, name, args)`: `abort_all`, `reset_prefix_cache`, `close_to_new`.
 * `("stop",)`: end the engine loop and exit.
@@ -44,6 +45,15 @@ def dumps(message: tuple[Any, ...]) -> bytes:
 
 def loads(frame: bytes) -> tuple[Any, ...]:
     return pickle.loads(frame)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def identity(rank: int) -> bytes:

@@ -14,6 +14,8 @@ one of the expert rows (dispatch and combine over gloo on CPU, NCCL on CUDA).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,31 @@ class ExpertPlacement:
     def local_id(self, expert_id: int) -> int | None:
         """This rank's index of global expert `expert_id`, or None if another rank holds it."""
         return expert_id - self.start if self.start <= expert_id < self.end else None
+
+
+_CURRENT: tuple[int, int, Any] | None = None
+"""(rank, size, group) while `expert_parallel` is active."""
+
+
+@contextmanager
+def expert_parallel(rank: int, size: int, group: Any) -> Iterator[None]:
+    """MoE layers built inside hold rank `rank`'s block of experts and run their experts over
+    `group` (the worker wraps model loading in it: the model code needs no change)."""
+    global _CURRENT
+    previous, _CURRENT = _CURRENT, (rank, size, group)
+    try:
+        yield
+    finally:
+        _CURRENT = previous
+
+
+def current_placement(num_experts: int) -> tuple[ExpertPlacement | None, Any]:
+    """(placement, group) for a MoE layer of `num_experts` built now; (None, None) outside
+    `expert_parallel`."""
+    if _CURRENT is None:
+        return None, None
+    rank, size, group = _CURRENT
+    return ExpertPlacement(rank, size, num_experts), group
 
 
 def _all_gather_rows(rows: torch.Tensor, sizes: list[int], group: Any) -> torch.Tensor:

@@ -26,7 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sous.models.layers.activation import silu_and_mul
-from sous.models.layers.expert_parallel import ExpertPlacement, ep_moe_forward
+from sous.models.layers.expert_parallel import (
+    ExpertPlacement,
+    current_placement,
+    ep_moe_forward,
+)
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,8 @@ class FusedMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        if placement is None:
+            placement, ep_group = current_placement(cfg.num_experts)
         self.placement = placement
         """Expert parallel: the block of routed experts this rank holds (None: all of them)."""
         self.ep_group = ep_group
