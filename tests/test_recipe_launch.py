@@ -1,7 +1,8 @@
 """`sous recipe launch`: unsupported flags stop it (listed), --drop-unsupported says what it
-drops, ports are remapped consistently, an aggregated strategy comes up for real with the
-bundled stand-in and answers a chat request, and every P/D selection comes up with its router
-and answers through it."""
+drops, ports are remapped consistently (data parallel ranks' offsets included), plans are
+scaled to the machine, the DP+EP strategy comes up for real with a tiny MoE stand-in and
+answers a chat request, and every P/D selection comes up with its router and answers through
+it."""
 
 from __future__ import annotations
 
@@ -127,18 +128,32 @@ def test_remapped_ports_inside_json_values(tmp_path):
     assert cmd[cmd.index("--data-parallel-rpc-port") + 1] == str(ports.mapping[5555])
 
 
-def test_aggregated_comes_up_and_answers(capsys, tmp_path: Path):
+def test_aggregated_dp_ep_comes_up_with_a_moe_stand_in(capsys, tmp_path: Path):
+    """The recipe's DP+EP selection runs without --drop-unsupported: two data parallel ranks
+    (scaled down from 4) splitting a tiny MiniMax-M2's experts, answering a chat."""
+    from tiny_models import make_tiny_minimax_m2
+
+    stand_in = make_tiny_minimax_m2(tmp_path)
     code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-data-expert-parallel",
-                 "--target", "Throughput", "--duration", "0.2",
-                 "--log-dir", str(tmp_path), "--ready-timeout", "240", "--max-ranks", "2"])
+                 "--target", "Throughput", "--duration", "0.2", "--stand-in", str(stand_in),
+                 "--stand-in-max-model-len", "256", "--log-dir", str(tmp_path / "logs"),
+                 "--ready-timeout", "240", "--max-ranks", "2"])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "NOTE main: --enable-expert-parallel: the stand-in model is dense" in err
     assert "NOTE scaled to this machine: main: --data-parallel-size 4 -> 2" in err
-    assert "DROPPED --data-parallel-size" not in err  # two data parallel ranks serve
+    assert "DROPPED" not in err and "stand-in model is dense" not in err
     assert "chat reply: " in err and "all processes stopped" in err
-    log = (tmp_path / "main.log").read_text()
-    assert "Uvicorn running on http://127.0.0.1:" in log or "Application startup" in log
+    log = (tmp_path / "logs" / "main.log").read_text()
+    for rank in (0, 1):
+        assert f"Expert parallel: rank {rank} of 2 holds routed experts" in log
+
+
+def test_dense_stand_in_leaves_expert_parallel_out_and_says_so(tmp_path: Path):
+    plan = compose(RECIPE.recipe, "aggregated-data-expert-parallel", "Throughput")
+    (spec,), blocking = build_launch(plan, None, tmp_path, _ports(), drop_unsupported=False)
+    assert blocking == {} and "--enable-expert-parallel" not in spec.command
+    assert "--data-parallel-size" in spec.command
+    assert any("the stand-in model is dense" in n for n in spec.notes)
 
 
 def _pd_selections() -> list[tuple[str, str, str]]:
