@@ -16,24 +16,17 @@ differed (it must not; the exit status is then 1).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import subprocess
 import sys
-import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
-from peer_engines import _wait_ready, free_port, wait_idle  # noqa: E402
+from peer_engines import wait_idle  # noqa: E402
 
-from kv_offload import machine, median, stop  # noqa: E402
+from chat_rounds import measure, one_round, report  # noqa: E402
+from kv_offload import machine, median  # noqa: E402
 
 CONFIGS: dict[str, list[str]] = {
     "one": [],
@@ -48,38 +41,6 @@ TASKS = ["How does {t} work?", "Tell me about {t}.", "Why is {t} useful?",
 
 def prompt(rng: random.Random) -> str:
     return rng.choice(TASKS).format(t=rng.choice(TOPICS)) + f" (note {rng.randrange(10**6)})"
-
-
-def start_server(work: Path, name: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
-    log = work / f"{name}.log"
-    port = free_port()
-    cmd = [sys.executable, "-m", "sous.cli", "serve", "--port", str(port), *CONFIGS[name]]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ), start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    _wait_ready(proc, base + "/v1/models", timeout_s, log)
-    return proc, base
-
-
-def ask(client: httpx.Client, base: str, model: str, text: str, max_tokens: int
-        ) -> tuple[str, int]:
-    r = client.post(base + "/v1/chat/completions", json={
-        "model": model, "messages": [{"role": "user", "content": text}],
-        "temperature": 0, "max_tokens": max_tokens})
-    r.raise_for_status()
-    body = r.json()
-    return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
-
-
-def one_round(base: str, prompts: list[str], concurrency: int, max_tokens: int
-              ) -> tuple[float, list[str]]:
-    with httpx.Client(trust_env=False, timeout=900.0) as client, \
-            ThreadPoolExecutor(concurrency) as pool:
-        model = client.get(base + "/v1/models").json()["data"][0]["id"]
-        start = time.perf_counter()
-        done = list(pool.map(lambda p: ask(client, base, model, p, max_tokens), prompts))
-        elapsed = time.perf_counter() - start
-    return sum(n for _, n in done) / elapsed, [text for text, _ in done]
 
 
 def run_config(base: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -116,30 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         p.error(f"unknown config(s) {unknown}; known: {', '.join(CONFIGS)}")
-    measured: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="sous-parallel-bench-") as tmp:
-        for name in names:
-            proc, base = start_server(Path(tmp), name, args.timeout)
-            try:
-                measured[name] = run_config(base, args)
-            finally:
-                stop(proc)
-    for cases in measured.values():
-        for case, r in cases.items():
-            one = measured["one"][case]
-            r["ratio_vs_one"] = r["output_tok_per_s"] / one["output_tok_per_s"]
-            r["identical"] = r["answers"] == one["answers"]
-    for cases in measured.values():
-        for r in cases.values():
-            del r["answers"]
-    report = {"machine": machine(), "max_tokens": args.max_tokens, "rounds": args.rounds,
-              "configs": {c: CONFIGS[c] for c in names}, "results": measured}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
-    ok = all(r["identical"] for cases in measured.values() for r in cases.values())
-    return 0 if ok else 1
+    configs = {c: CONFIGS[c] for c in names}
+    measured = measure(configs, "one", args.timeout, lambda base: run_config(base, args))
+    return report({"machine": machine(), "max_tokens": args.max_tokens, "rounds": args.rounds,
+                   "configs": configs, "results": measured}, args.output)
 
 
 if __name__ == "__main__":

@@ -27,14 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import subprocess
 import sys
-import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +37,10 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
-from peer_engines import _wait_ready, free_port, wait_idle  # noqa: E402
+from peer_engines import wait_idle  # noqa: E402
 
-from kv_offload import machine, median, stop  # noqa: E402
+from chat_rounds import measure, one_round, report  # noqa: E402
+from kv_offload import machine, median  # noqa: E402
 
 METHODS = {
     "off": None,
@@ -88,20 +84,6 @@ def chat_prompt(rng: random.Random) -> str:
 WORKLOADS = {"code": code_prompt, "essay": essay_prompt, "chat": chat_prompt}
 
 
-def start_server(work: Path, method: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
-    """`sous serve` with `METHODS[method]` (set `METHODS["eagle3"]` first for a head)."""
-    log = work / f"{method}.log"
-    port = free_port()
-    cmd = [sys.executable, "-m", "sous.cli", "serve", "--port", str(port)]
-    if METHODS[method] is not None:
-        cmd += ["--speculative-config", json.dumps(METHODS[method])]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ), start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    _wait_ready(proc, base + "/v1/models", timeout_s, log)
-    return proc, base
-
-
 def counters(base: str) -> dict[str, float]:
     text = httpx.get(base + "/metrics", timeout=10.0).text
     out = {}
@@ -109,28 +91,6 @@ def counters(base: str) -> dict[str, float]:
         m = re.search(rf"^vllm:spec_decode_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
-
-
-def ask(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int
-        ) -> tuple[str, int]:
-    r = client.post(base + "/v1/chat/completions", json={
-        "model": model, "messages": [{"role": "user", "content": prompt}],
-        "temperature": 0, "max_tokens": max_tokens})
-    r.raise_for_status()
-    body = r.json()
-    return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
-
-
-def one_round(base: str, prompts: list[str], concurrency: int, max_tokens: int
-              ) -> tuple[float, list[str]]:
-    """Output tok/s of answering `prompts` with `concurrency` in flight, and the answers."""
-    with httpx.Client(trust_env=False, timeout=600.0) as client, \
-            ThreadPoolExecutor(concurrency) as pool:
-        model = client.get(base + "/v1/models").json()["data"][0]["id"]
-        start = time.perf_counter()
-        done = list(pool.map(lambda p: ask(client, base, model, p, max_tokens), prompts))
-        elapsed = time.perf_counter() - start
-    return sum(n for _, n in done) / elapsed, [text for text, _ in done]
 
 
 def run_method(base: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -187,31 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         p.error(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
-    measured: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="sous-spec-bench-") as tmp:
-        for method in methods:
-            proc, base = start_server(Path(tmp), method, args.timeout)
-            try:
-                measured[method] = run_method(base, args)
-            finally:
-                stop(proc)
-    for cases in measured.values():
-        for case, r in cases.items():
-            off = measured["off"][case]
-            r["ratio_vs_off"] = r["output_tok_per_s"] / off["output_tok_per_s"]
-            r["identical"] = r["answers"] == off["answers"]
-    for cases in measured.values():
-        for r in cases.values():
-            del r["answers"]
-    report = {"machine": machine(), "max_tokens": args.max_tokens, "rounds": args.rounds,
-              "configs": {m: METHODS[m] for m in methods}, "results": measured}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
-    ok = all(r["identical"] for cases in measured.values() for r in cases.values())
-    return 0 if ok else 1
-
+    configs = {m: ([] if METHODS[m] is None else
+                   ["--speculative-config", json.dumps(METHODS[m])]) for m in methods}
+    measured = measure(configs, "off", args.timeout, lambda base: run_method(base, args))
+    return report({"machine": machine(), "max_tokens": args.max_tokens, "rounds": args.rounds,
+                   "configs": {m: METHODS[m] for m in methods}, "results": measured},
+                  args.output)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +38,11 @@ COLLECTIVE_TIMEOUT_S = 60.0
 
 
 def init_dp_group(host: str, port: int, rank: int, size: int) -> None:
-    """Join the data parallel process group (blocks until all `size` ranks have joined)."""
+    """Join the data parallel process group (blocks until all `size` ranks have joined). On
+    a loopback address gloo is told to use the loopback interface (it otherwise picks the
+    one the host name resolves to, which may not reach 127.0.0.1)."""
+    if host in ("127.0.0.1", "localhost") and sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
