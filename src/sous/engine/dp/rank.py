@@ -103,6 +103,10 @@ def run_rank(config: EngineConfig, coordinator: str, reasoning_parser: str | Non
         welcome = handshake(sock, rank, coordinator, wire.connect_timeout_s())
         expert_parallel = config.parallel.expert_parallel_active
         if expert_parallel:
+            if "group_port" not in welcome:
+                raise ConfigError("--enable-expert-parallel: the API server at "
+                                  f"{coordinator} runs without it; give every node the same "
+                                  "parallel flags")
             host = coordinator.split("://", 1)[1].rsplit(":", 1)[0]
             init_dp_group(host, welcome["group_port"], rank, config.parallel.data_parallel_size)
         llm = AsyncLLM.from_config(config, start_thread=False)
