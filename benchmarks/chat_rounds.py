@@ -5,6 +5,7 @@ concurrent requests, and compare every configuration with a baseline measured in
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -23,6 +24,18 @@ sys.path[:0] = [str(HERE), str(HERE / "peers")]
 from peer_engines import _wait_ready, free_port  # noqa: E402
 
 from kv_offload import stop  # noqa: E402
+
+
+def add_round_args(p: argparse.ArgumentParser, concurrency: list[int], max_tokens: int,
+                   ) -> None:
+    """The options every chat-round benchmark takes (`--concurrency` as a comma list)."""
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                   default=concurrency)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--idle-wait", type=float, default=20.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="server start-up limit, s")
+    p.add_argument("--output", type=Path)
 
 
 def start_sous(work: Path, name: str, extra: list[str], timeout_s: float,

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
 from peer_engines import wait_idle  # noqa: E402
 
-from chat_rounds import measure, one_round, report  # noqa: E402
+from chat_rounds import add_round_args, measure, one_round, report  # noqa: E402
 from kv_offload import machine, median  # noqa: E402
 
 CONFIGS: dict[str, list[str]] = {
@@ -65,13 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma list of {','.join(CONFIGS)}; one is always measured")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[16, 64])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--idle-wait", type=float, default=20.0)
-    p.add_argument("--timeout", type=float, default=300.0, help="server start-up limit, s")
-    p.add_argument("--output", type=Path)
+    add_round_args(p, [16, 64], 128)
     args = p.parse_args(argv)
     names = ["one"] + [c for c in args.configs.split(",") if c != "one"]
     unknown = [c for c in names if c not in CONFIGS]

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "peers")]
 from peer_engines import wait_idle  # noqa: E402
 
-from chat_rounds import measure, one_round, report  # noqa: E402
+from chat_rounds import add_round_args, measure, one_round, report  # noqa: E402
 from kv_offload import machine, median  # noqa: E402
 
 METHODS = {
@@ -128,13 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eagle3-head", type=Path, help="EAGLE-3 head folder (method eagle3)")
     p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
                    help=f"comma list of {','.join(WORKLOADS)}")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1, 16])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--idle-wait", type=float, default=20.0)
-    p.add_argument("--timeout", type=float, default=300.0, help="server start-up limit, s")
-    p.add_argument("--output", type=Path)
+    add_round_args(p, [1, 16], 160)
     args = p.parse_args(argv)
     methods = ["off"] + [m for m in args.methods.split(",") if m != "off"]
     if args.eagle3_head is not None:

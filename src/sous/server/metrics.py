@@ -79,7 +79,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, max_model_len: int,
                  cache_info: dict[str, str] | None = None) -> None:
-        self.labels = f'engine="0",model_name="{_escape(model_name)}"'
+        self.model_label = f'model_name="{_escape(model_name)}"'
+        self.labels = f'engine="0",{self.model_label}'
         self.cache_info = cache_info or {}
         token_buckets = buckets_1_2_5(max(max_model_len, 1))
         self.prompt_tokens = 0
@@ -124,7 +125,7 @@ class ServerMetrics:
 
         def per_engine(name: str, value: Callable[[Any], float], extra: str = "") -> None:
             for index, st in sorted(engines.items()):
-                labels = lab.replace('engine="0"', f'engine="{index}"', 1)
+                labels = f'engine="{index}",{self.model_label}'
                 out.append(f"{name}{{{labels}{extra}}} {_fmt(value(st) if st is not None else 0)}")
 
         def stat(field: str) -> Callable[[Any], float]:

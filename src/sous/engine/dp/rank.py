@@ -183,7 +183,6 @@ class _Bridge:
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._done = asyncio.Event()
         self.sock = zmq.asyncio.Socket.from_socket(self._sync_sock)
         await self._send(("ready", self.info))
         beats = asyncio.create_task(self._heartbeat())
