@@ -41,12 +41,17 @@ def add_round_args(p: argparse.ArgumentParser, concurrency: list[int], max_token
 def start_sous(work: Path, name: str, extra: list[str], timeout_s: float,
                ) -> tuple[subprocess.Popen, str]:
     """`sous serve --port <free> *extra`, logging to `work/<name>.log`; (process, base URL)
-    once `/v1/models` answers."""
+    once `/v1/models` answers. Leading `NAME=value` words of `extra` are environment
+    variables for the server."""
     log = work / f"{name}.log"
     port = free_port()
+    env = dict(os.environ)
+    while extra and "=" in extra[0] and not extra[0].startswith("-"):
+        key, _, value = extra[0].partition("=")
+        env[key], extra = value, extra[1:]
     cmd = [sys.executable, "-m", "sous.cli", "serve", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ), start_new_session=True)
+                            env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     _wait_ready(proc, base + "/v1/models", timeout_s, log)
     return proc, base

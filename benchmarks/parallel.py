@@ -1,9 +1,12 @@
-"""Data parallel serving: output throughput of `--data-parallel-size 2` (two engine ranks, one
-CPU each under the default binding) against one engine process using both CPUs, on the
-bundled SmolLM2-135M, 16 and 64 requests at once. Prints JSON.
+"""Data and pipeline parallel serving: output throughput of `--data-parallel-size 2` (two
+engine ranks, one CPU each under the default binding) and of `--pipeline-parallel-size 2`
+(two stage processes of 15 layers each, one CPU each; `pp2-20-10` splits the layers 20/10
+with VLLM_PP_LAYER_PARTITION, as the last stage also runs the LM head and sampling) against
+one engine process using both CPUs, on the bundled SmolLM2-135M, 16 and 64 requests at once.
+Prints JSON.
 
-    python benchmarks/parallel.py [--configs one,dp2] [--concurrency 16,64] [--rounds 3]
-                                  [--max-tokens 128] [--output F]
+    python benchmarks/parallel.py [--configs one,dp2,pp2,pp2-20-10] [--concurrency 16,64]
+                                  [--rounds 3] [--max-tokens 128] [--output F]
 
 One `sous serve` per configuration (the same flags otherwise), greedy chat requests on short
 seeded topics. Per configuration and concurrency level, `--rounds` rounds of fresh prompts
@@ -31,6 +34,8 @@ from kv_offload import machine, median  # noqa: E402
 CONFIGS: dict[str, list[str]] = {
     "one": [],
     "dp2": ["--data-parallel-size", "2"],
+    "pp2": ["--pipeline-parallel-size", "2"],
+    "pp2-20-10": ["VLLM_PP_LAYER_PARTITION=20,10", "--pipeline-parallel-size", "2"],
 }
 TOPICS = ["a refrigerator", "the tides", "a compass", "yeast", "an elevator", "rainbows",
           "a thermostat", "bamboo", "a lighthouse", "snowflakes", "a microwave oven",

@@ -64,8 +64,8 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
     (["--data-parallel-rpc-port", "5555"], True),
     (["--enable-expert-parallel", "--data-parallel-size", "4"], True),
     (["--enable-expert-parallel", "--data-parallel-size", "4", "--data-parallel-rank", "1"],
-     False),
-    (["--pipeline-parallel-size", "4"], False),
+     True),
+    (["--pipeline-parallel-size", "4"], True),
     (["--kv-cache-dtype", "fp8"], True),
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], True),
     (["--tool-call-parser", "minimax_m2"], True),
@@ -151,12 +151,12 @@ def test_every_recipe_arg_parses_or_is_not_yet(capsys: pytest.CaptureFixture[str
 
 
 def test_all_not_yet_flags_listed_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _exit2(["--pipeline-parallel-size", "4", "--enable-expert-parallel",
-                  "--data-parallel-size", "2", "--data-parallel-rank", "0",
+    err = _exit2(["--pipeline-parallel-size", "4", "--kv-transfer-config",
+                  '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
                   "--tensor-parallel-size", "2",
                   "--no-enable-chunked-prefill", "--model-impl", "transformers"], capsys)
-    for flag in ("--pipeline-parallel-size", "--enable-expert-parallel",
-                 "--tensor-parallel-size", "--no-enable-chunked-prefill", "--model-impl"):
+    for flag in ("--pipeline-parallel-size", "--tensor-parallel-size",
+                 "--no-enable-chunked-prefill", "--model-impl"):
         assert f"`{flag}` is not supported yet" in err
 
 

@@ -154,6 +154,61 @@ def test_dp2_expert_parallel_answers_as_one_process(arch: str, tmp_path: Path) -
         assert line in log, re.findall(r"Expert parallel: .*", log)
 
 
+def test_separate_rank_servers_answer_as_one_process(tmp_path: Path) -> None:
+    """Two servers, `--data-parallel-rank 0` and `1` (as the recipes' P/D decode ranks run
+    behind a router), split a tiny MiniMax-M2's experts over one process group and step in
+    lockstep: each answers greedy completions as one process, alone (the other idle) and
+    with 16 requests spread over both."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from serve_process import free_port
+
+    make, experts, _, _ = MODELS["minimax_m2"]
+    path = make(tmp_path)
+    args = [str(path), "--dtype", "float32", "--max-model-len", "256", "--block-size", "16",
+            "--kv-cache-memory-bytes", "16MiB"]
+    prompts = [" ".join(SENTENCE.split()[i:] + SENTENCE.split()[:i]) for i in range(8)] * 2
+    env = {"OMP_NUM_THREADS": "1"}
+    with sous_serve(args, tmp_path / "one.log", env=env) as one:
+        want = [_complete(one, p) for p in prompts]
+    group = ["--data-parallel-size", "2", "--enable-expert-parallel",
+             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
+             str(free_port())]
+    port0 = free_port()
+    rank0 = subprocess.Popen(
+        [sys.executable, "-m", "sous.cli", "serve", *args, *group, "--data-parallel-rank", "0",
+         "--port", str(port0)], stdout=(tmp_path / "rank0.log").open("w"),
+        stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        with sous_serve([*args, *group, "--data-parallel-rank", "1"], tmp_path / "rank1.log",
+                        env=env) as url1:
+            url0 = f"http://127.0.0.1:{port0}"
+            deadline = time.monotonic() + 120
+            while httpx.get(url0 + "/health", timeout=5).status_code != 200:
+                assert time.monotonic() < deadline and rank0.poll() is None
+                time.sleep(0.3)
+            assert _complete(url0, prompts[0]) == want[0]  # rank 1 idle
+            assert _complete(url1, prompts[1]) == want[1]  # rank 0 idle
+            urls = [url0, url1] * 8
+            with ThreadPoolExecutor(16) as pool:
+                got = list(pool.map(_complete, urls, prompts))
+            assert got == want
+            rank0.terminate()  # a clean stop; rank 1 then loses its group and stops too
+            assert rank0.wait(timeout=60) == 0
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+    half = experts // 2
+    for rank, lo in ((0, 0), (1, half)):
+        log = (tmp_path / f"rank{rank}.log").read_text()
+        assert (f"Expert parallel: rank {rank} of 2 holds routed experts {lo}-"
+                f"{lo + half - 1} of {experts}") in log
+
+
 def test_expert_parallel_on_a_dense_model_exits_2_naming_the_flag(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -168,8 +223,8 @@ def test_expert_parallel_on_a_dense_model_exits_2_naming_the_flag(tmp_path: Path
 
 @pytest.mark.parametrize("argv,needle", [
     (["--enable-expert-parallel"], "--enable-expert-parallel needs --data-parallel-size > 1"),
-    (["--enable-expert-parallel", "--data-parallel-size", "2", "--data-parallel-rank", "1"],
-     "`--enable-expert-parallel` is not supported yet"),
+    (["--enable-expert-parallel", "--data-parallel-size", "1", "--data-parallel-rank", "0"],
+     "--enable-expert-parallel needs --data-parallel-size > 1"),
     (["--enable-expert-parallel", "--data-parallel-size", "2", "--speculative-config",
       '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
      "--enable-expert-parallel with --speculative-config is not supported yet"),

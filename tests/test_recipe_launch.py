@@ -1,7 +1,7 @@
 """`sous recipe launch`: unsupported flags stop it (listed), --drop-unsupported says what it
 drops, ports are remapped consistently (data parallel ranks' offsets included), plans are
 scaled to the machine, the DP+EP strategy comes up for real with a tiny MoE stand-in and
-answers a chat request, and every P/D selection comes up with its router and answers through
+answers a chat request, so does the PP strategy, and every P/D selection comes up with its router and answers through
 it."""
 
 from __future__ import annotations
@@ -31,22 +31,22 @@ def _ports() -> PortMap:
 
 
 def test_unsupported_flags_from_the_engine_table():
-    bad = dict(unsupported_flags(["--pipeline-parallel-size", "4", "--kv-cache-dtype", "fp8",
+    bad = dict(unsupported_flags(["--tensor-parallel-size", "4", "--kv-cache-dtype", "fp8",
                                   "--data-parallel-size", "4", "--block-size", "16",
-                                  "--no-such-flag", "1"]))
-    assert set(bad) == {"--pipeline-parallel-size", "--no-such-flag"}
+                                  "--pipeline-parallel-size", "4", "--no-such-flag", "1"]))
+    assert set(bad) == {"--tensor-parallel-size", "--no-such-flag"}
     assert bad["--no-such-flag"] == "unknown to sous serve"
     assert unsupported_flags(["--block-size", "16", "--max-num-seqs", "2"]) == []
 
 
 def test_launch_stops_and_lists_unsupported_flags(capsys, tmp_path):
-    code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-pipeline-parallel",
-                 "--target", "Throughput", "--log-dir", str(tmp_path)])
+    code = main(["launch", "minimax-m2.7", "--strategy", "prefill-decode-disaggregated",
+                 "--target", "Latency", "--log-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "    --pipeline-parallel-size: " in err
+    assert "    --pipeline-parallel-size: pipeline stages with a KV connector" in err
     for flag in ("--kv-cache-dtype", "--tool-call-parser", "--reasoning-parser",
-                 "--enable-auto-tool-choice", "--data-parallel-size"):
+                 "--enable-auto-tool-choice", "--data-parallel-size", "--data-parallel-rank"):
         assert f"    {flag}: " not in err
     assert "Nothing was started" in err and "--drop-unsupported" in err
     assert list(tmp_path.iterdir()) == []
@@ -154,6 +154,21 @@ def test_dense_stand_in_leaves_expert_parallel_out_and_says_so(tmp_path: Path):
     assert blocking == {} and "--enable-expert-parallel" not in spec.command
     assert "--data-parallel-size" in spec.command
     assert any("the stand-in model is dense" in n for n in spec.notes)
+
+
+def test_aggregated_pipeline_parallel_comes_up(capsys, tmp_path: Path):
+    """The recipe's PP selection runs without --drop-unsupported: two stages (scaled down
+    from 4) of the bundled stand-in's layers, each with its own KV cache share."""
+    code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-pipeline-parallel",
+                 "--target", "Throughput", "--duration", "0.2", "--log-dir", str(tmp_path),
+                 "--ready-timeout", "240", "--max-ranks", "2"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "NOTE scaled to this machine: main: --pipeline-parallel-size 4 -> 2" in err
+    assert "DROPPED" not in err and "chat reply: " in err and "all processes stopped" in err
+    log = (tmp_path / "main.log").read_text()
+    assert "Pipeline stage 1 of 2: decoder layers 0-14 of 30" in log
+    assert "Pipeline stage 2 of 2: decoder layers 15-29 of 30" in log
 
 
 def _pd_selections() -> list[tuple[str, str, str]]:

@@ -213,12 +213,9 @@ NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("tensor_parallel_size", lambda v: v > 1, "--tensor-parallel-size",
            "sous runs one engine process on one device", "> 1"),
     NotYet("pipeline_parallel_size", lambda v: v > 1, "--pipeline-parallel-size",
-           "pipeline parallel stages are planned", "> 1"),
-    NotYet("enable_expert_parallel", bool, "--enable-expert-parallel",
-           "expert parallel over ranks that are separate servers (--data-parallel-rank, "
-           "behind a router) is planned; one API server with --data-parallel-size N splits "
-           "the experts over its ranks", "with --data-parallel-rank",
-           context=lambda v: v.get("data_parallel_rank") is not None),
+           "pipeline stages with a KV connector (P/D, LMCache) are planned: each stage would "
+           "move its own layers' KV", "> 1 with --kv-transfer-config",
+           context=lambda v: bool(v.get("kv_transfer_config"))),
     NotYet("enable_chunked_prefill", lambda v: not v, "--no-enable-chunked-prefill",
            "the scheduler always chunks prefills"),
     NotYet("model_impl", lambda v: v == "transformers", "--model-impl",
@@ -251,16 +248,35 @@ def _parallel_problems(values: Mapping[str, Any]) -> list[str]:
     elif start and rank is None:
         out.append(f"--data-parallel-start-rank {start}: only with --headless (the API "
                    "server's node runs ranks from 0)")
-    if values.get("enable_expert_parallel") and rank is None:
+    if values.get("enable_expert_parallel"):
         if size < 2:
             out.append("--enable-expert-parallel needs --data-parallel-size > 1: the routed "
                        "experts are split over the data parallel ranks")
         elif values.get("speculative_config"):
             out.append("--enable-expert-parallel with --speculative-config is not supported "
                        "yet: draft passes would have to run on every rank in step")
+    out += _pipeline_problems(values)
     if size > 1 and rank is None and values.get("distributed_executor_backend") == "mp":
         out.append("--distributed-executor-backend mp with --data-parallel-size > 1 is not "
                    "supported yet: each data parallel rank runs its model in its own process")
+    return out
+
+
+def _pipeline_problems(values: Mapping[str, Any]) -> list[str]:
+    """--pipeline-parallel-size combinations sous does not run (yet), naming the flags."""
+    pp = values.get("pipeline_parallel_size", 1)
+    if pp < 2:
+        return []
+    flag = f"--pipeline-parallel-size {pp}"
+    out = []
+    if values.get("data_parallel_size", 1) > 1 or values.get("data_parallel_rank") is not None:
+        out.append(f"{flag} with data parallel flags is not supported yet: run one of them")
+    if values.get("distributed_executor_backend") == "uni":
+        out.append(f"{flag} runs a worker process per stage: it cannot use "
+                   "--distributed-executor-backend uni (leave it out, or use mp)")
+    if values.get("speculative_config"):
+        out.append(f"{flag} with --speculative-config is not supported yet: the drafter runs "
+                   "beside the whole model")
     return out
 
 
@@ -549,7 +565,7 @@ def engine_config_from_kwargs(**kwargs: Any) -> EngineConfig:
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}={value!r}: {e}") from None
     values.update({k: v for k, v in env_values(os.environ).items() if k not in kwargs})
-    problems = _not_yet_messages(values, as_kwargs=True)
+    problems = _not_yet_messages(values, as_kwargs=True) + _pipeline_problems(values)
     if values["data_parallel_size"] > 1:
         problems.append("`data_parallel_size` > 1 is not supported yet in the offline LLM: "
                         "it runs one engine (`sous serve --data-parallel-size N` serves N).")

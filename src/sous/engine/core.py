@@ -11,7 +11,9 @@ import gc
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -140,6 +142,9 @@ class EngineCore:
             config=StructuredOutputsConfig.from_dict(config.structured_outputs_config))
         self.scheduler.gates.append(self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[SchedulerOutput, list[Request], Any]] = deque()
+        """Batches in flight, oldest first: (batch, its requests, the executor's handle)."""
         self.spec_logger: SpecDecodingLogger | None = None
         self.step_sync: StepSync | None = None
         """Expert parallel: every step is agreed with the other data parallel ranks."""
@@ -268,28 +273,75 @@ class EngineCore:
         return list(self.output_processor.parents)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or batches in flight whose output is still to come."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> int:
         """One schedule -> forward -> update cycle. Returns the number of tokens computed.
 
         A request whose part of the step fails (the runner isolates it) is finished as
-        aborted, with a final output; the other requests of the step are unaffected."""
+        aborted, with a final output; the other requests of the step are unaffected.
+
+        With an executor that takes several batches at once (pipeline parallel), a step
+        submits a new batch while the queue has room and otherwise finishes the oldest one
+        in flight (vLLM's batch queue); it returns the tokens of the batch it handled."""
         so = self.structured_output_manager
         self._fail(so.take_failed())
-        out = self.scheduler.schedule()
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
+        batch = self._schedule()
+        if batch is None:
+            return 0
+        out, scheduled = batch
+        self._update(out, scheduled, self.executor.execute_model(out))
+        return out.total_num_scheduled_tokens
+
+    def _step_with_batch_queue(self) -> int:
+        queue = self.batch_queue
+        if len(queue) < self.max_concurrent_batches:
+            batch = self._schedule(idle_wait=not queue, max_num_reqs=self._micro_batch_size())
+            if batch is not None:
+                out, scheduled = batch
+                queue.append((out, scheduled, self.executor.submit(out)))
+                if len(queue) < self.max_concurrent_batches:
+                    return out.total_num_scheduled_tokens
+        if not queue:
+            return 0
+        out, scheduled, handle = queue.popleft()
+        self._update(out, scheduled, self.executor.wait(handle))
+        return out.total_num_scheduled_tokens
+
+    def _micro_batch_size(self) -> int:
+        """Requests per batch when several are in flight: an equal share of the unfinished
+        ones, so that every pipeline stage has a batch to run."""
+        sched = self.scheduler
+        return max(1, -(-(len(sched.running) + len(sched.waiting))
+                        // self.max_concurrent_batches))
+
+    def _schedule(self, idle_wait: bool = True, max_num_reqs: int | None = None,
+                  ) -> tuple[SchedulerOutput, list[Request]] | None:
+        """The next batch (of at most `max_num_reqs` requests) and its requests, or None when
+        there is nothing to run (then, with `idle_wait`, up to 50 ms for a grammar still
+        compiling)."""
+        so = self.structured_output_manager
+        out = self.scheduler.schedule(max_num_reqs)
         if self.step_sync is not None:  # expert parallel: a forward pass if any rank runs one
             out.forward_required = self.step_sync.any_rank_runs(
                 out.total_num_scheduled_tokens > 0)
         if out.is_empty and not self.scheduler.has_pending_kv_transfers() and not (
                 out.forward_required):
-            if so.has_pending():
+            if idle_wait and so.has_pending():
                 so.wait_pending(timeout=0.05)
-            return 0
+            return None
         scheduled = self.scheduler.scheduled_requests(out)
         out.grammar = so.grammar_output(scheduled)
-        runner_out = self.executor.execute_model(out)
+        return out, scheduled
+
+    def _update(self, out: SchedulerOutput, scheduled: list[Request],
+                runner_out: ModelRunnerOutput) -> None:
+        """Apply a finished batch: KV transfers, failures, sampled tokens, stops, events."""
+        so = self.structured_output_manager
         failed = self._finish_transfers(out, runner_out)
         failed += self._rewind_failed_loads(out, runner_out.kv_load_errors)
         for request in scheduled:
@@ -312,7 +364,6 @@ class EngineCore:
         self._publish_events()
         if self.spec_logger is not None and self.scheduler.spec_decoding is not None:
             self.spec_logger.maybe_log(self.scheduler.spec_decoding)
-        return out.total_num_scheduled_tokens
 
     def has_pending_kv_transfers(self) -> bool:
         """KV moves in flight with no request to run (e.g. blocks kept for a P/D reader):
@@ -380,6 +431,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+        if self.step_sync is not None:
+            self.step_sync.close()
         if self.publisher is not None:
             self.publisher.close()
 

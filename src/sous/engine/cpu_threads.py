@@ -195,9 +195,10 @@ def resolve_cpus(env: CpuThreadsEnv, allowed: Iterable[int], rank: int = 0,
                  platform: str = sys.platform, local_dp_size: int = 1,
                  ) -> tuple[int, ...] | None:
     """The CPUs rank `rank` binds its OpenMP threads to, one thread per CPU (capped by
-    OMP_NUM_THREADS); None: bind nothing (`nobind`). In `auto` mode `local_dp_size` data
-    parallel ranks on this node split the CPUs into equal contiguous shares (rank
-    `local_dp_rank` takes its share). ValueError naming VLLM_CPU_OMP_THREADS_BIND when the
+    OMP_NUM_THREADS); None: bind nothing (`nobind`). In `auto` mode the `local_dp_size` data
+    parallel ranks on this node, times the `world_size` workers (pipeline stages) of each,
+    split the CPUs into equal contiguous shares (worker `rank` of rank `local_dp_rank` takes
+    its share). ValueError naming VLLM_CPU_OMP_THREADS_BIND when the
     list has no entry for this rank. Off Linux nothing is bound (no per-thread affinity
     API)."""
     if env.bind == "nobind" or not platform.startswith("linux"):
@@ -208,12 +209,14 @@ def resolve_cpus(env: CpuThreadsEnv, allowed: Iterable[int], rank: int = 0,
             raise ValueError(f"{RESERVED_ENV}={env.reserved}: must be less than the "
                              f"{len(ordered)} CPUs this process may run on")
         cpus = tuple(ordered[:len(ordered) - env.reserved])
-        if local_dp_size > 1:
-            share = len(cpus) // local_dp_size
+        parts = local_dp_size * world_size
+        if parts > 1:
+            share = len(cpus) // parts
             if share == 0:
-                raise ValueError(f"{local_dp_size} data parallel ranks need at least one CPU "
-                                 f"each; this process may run on {format_cpus(cpus)}")
-            first = (local_dp_rank or 0) * share
+                raise ValueError(f"{parts} engine ranks ({local_dp_size} data parallel x "
+                                 f"{world_size} pipeline) need at least one CPU each; this "
+                                 f"process may run on {format_cpus(cpus)}")
+            first = ((local_dp_rank or 0) * world_size + rank) * share
             cpus = cpus[first:first + share]
     else:
         entries = env.rank_cpus
@@ -276,8 +279,8 @@ def apply_cpu_threads(env: CpuThreadsEnv, rank: int = 0, world_size: int = 1,
     if cpus is None:
         if env.omp_num_threads:
             torch.set_num_threads(env.omp_num_threads)
-        elif local_dp_size > 1:  # unbound ranks must not oversubscribe the CPUs either
-            torch.set_num_threads(max(1, len(allowed) // local_dp_size))
+        elif local_dp_size * world_size > 1:  # unbound ranks must not oversubscribe either
+            torch.set_num_threads(max(1, len(allowed) // (local_dp_size * world_size)))
         logger.info("CPU threads: %d OpenMP thread(s), not bound (%s=%s%s)",
                     torch.get_num_threads(), BIND_ENV, env.spec,
                     f", {OMP_ENV}={env.omp_num_threads}" if env.omp_num_threads else "")

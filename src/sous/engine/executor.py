@@ -6,7 +6,10 @@ started with VLLM_WORKER_MULTIPROC_METHOD (fork or spawn), and talks to it over 
 socket on an ipc:// path with pickled `(method, args)` calls and `(ok, result)` replies. A
 worker that dies makes the next call raise `WorkerDiedError` within a second, never hang.
 
-Both expose the same calls: `load_model() -> ModelInfo`, `initialize_kv_cache(num_blocks,
+`PipelineExecutor` (`--pipeline-parallel-size N`, `sous.engine.pp.executor`) runs one
+`WorkerProc` per pipeline stage and lets the engine keep N batches in flight.
+
+All expose the same calls: `load_model() -> ModelInfo`, `initialize_kv_cache(num_blocks,
 max_model_len)`, `execute_model(SchedulerOutput) -> ModelRunnerOutput`, `shutdown()`.
 """
 
@@ -20,7 +23,9 @@ import pickle
 import shutil
 import signal
 import tempfile
+import time
 import traceback
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import zmq
@@ -38,6 +43,10 @@ class WorkerDiedError(RuntimeError):
 
 
 class Executor(Protocol):
+    max_concurrent_batches: int
+    """Batches the engine may have in flight (`submit` before the previous is `wait`ed);
+    only an executor with more than one implements `submit` and `wait`."""
+
     def load_model(self) -> ModelInfo: ...
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None: ...
@@ -49,6 +58,8 @@ class Executor(Protocol):
 
 class UniProcExecutor:
     """The Worker in this process; `worker` is reachable for in-process inspection."""
+
+    max_concurrent_batches = 1
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.worker = Worker(config, loaded)
@@ -66,14 +77,19 @@ class UniProcExecutor:
         self.worker.shutdown()
 
 
-def _worker_main(config: EngineConfig, address: str) -> None:
+def _worker_main(config: EngineConfig, address: str, worker_kwargs: dict[str, Any],
+                 name: str, log_level: int | None) -> None:
     """The worker process: serve calls on `address` until `shutdown` (or the parent goes).
-    Ctrl-C is the engine's to handle: the worker ignores SIGINT."""
+    Logs as its parent does (`log_level`; None: not configured), each line naming it. Ctrl-C
+    is the engine's to handle: the worker ignores SIGINT."""
+    if log_level is not None:
+        logging.basicConfig(level=log_level, force=True,
+                            format=f"%(levelname)s %(asctime)s {name} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.connect(address)
-    worker = Worker(config)
+    worker = Worker(config, **worker_kwargs)
     try:
         while True:
             method, args = pickle.loads(sock.recv())
@@ -90,54 +106,93 @@ def _worker_main(config: EngineConfig, address: str) -> None:
         ctx.term()
 
 
-class MultiprocExecutor:
-    """The Worker in a child process (see the module docstring)."""
+def encode_call(method: str, *args: Any) -> bytes:
+    """A call as a worker process reads it (pickle it once, send it to several workers)."""
+    return pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
 
-    def __init__(self, config: EngineConfig) -> None:
+
+class WorkerProc:
+    """One Worker in a child process (started with VLLM_WORKER_MULTIPROC_METHOD) and the ZMQ
+    PAIR socket to it. Calls are answered in the order they were sent."""
+
+    def __init__(self, config: EngineConfig, name: str = "sous-worker",
+                 worker_kwargs: dict[str, Any] | None = None) -> None:
         method = config.parallel.worker_multiproc_method
-        self._dir = tempfile.mkdtemp(prefix="sous-worker-")
+        self.name = name
+        self._dir = tempfile.mkdtemp(prefix=f"{name}-")
         address = f"ipc://{os.path.join(self._dir, 'worker.sock')}"
+        root = logging.getLogger()
+        log_level = root.getEffectiveLevel() if root.handlers else None
         self._proc = multiprocessing.get_context(method).Process(
-            target=_worker_main, args=(config, address), name="sous-worker", daemon=True)
+            target=_worker_main, args=(config, address, worker_kwargs or {}, name, log_level),
+            name=name, daemon=True)
         self._proc.start()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PAIR)
         self._sock.bind(address)
-        logger.info("Worker process %d started (%s)", self._proc.pid, method)
+        logger.info("Worker process %d started (%s): %s", self._proc.pid, method, name)
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def _call(self, method: str, *args: Any) -> Any:
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def check_alive(self, during: str = "") -> None:
+        """WorkerDiedError if the process has exited."""
         if not self._proc.is_alive():
-            raise WorkerDiedError(f"the worker process exited ({self._proc.exitcode})")
-        self._sock.send(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL))
+            when = f" during {during}" if during else ""
+            raise WorkerDiedError(f"the worker process exited ({self._proc.exitcode}){when}: "
+                                  f"{self.name}")
+
+    def send(self, call: bytes) -> None:
+        self.check_alive()
+        self._sock.send(call)
+
+    def recv(self, method: str, peers: Sequence[WorkerProc] = ()) -> Any:
+        """The reply to the oldest unanswered call (`method`): its result, or its exception
+        raised here. WorkerDiedError within a second once this process, or one of `peers`
+        (workers this one depends on), has exited."""
         while not self._sock.poll(1000):
-            if not self._proc.is_alive():
-                raise WorkerDiedError(
-                    f"the worker process exited ({self._proc.exitcode}) during {method}")
+            for proc in (self, *peers):
+                proc.check_alive(method)
         ok, value = pickle.loads(self._sock.recv())
         if not ok:
+            self._blame_dead_peer(method, peers, value)
             raise value
         return value
 
-    def load_model(self) -> ModelInfo:
-        return self._call("load_model")
+    @staticmethod
+    def _blame_dead_peer(method: str, peers: Sequence[WorkerProc], error: BaseException,
+                         grace_s: float = 1.0) -> None:
+        """WorkerDiedError (caused by `error`) if one of `peers` exits within `grace_s`: a
+        worker whose peer was killed fails first with a broken link, which hides the cause."""
+        deadline = time.monotonic() + grace_s if peers else 0.0
+        while True:
+            for proc in peers:
+                try:
+                    proc.check_alive(method)
+                except WorkerDiedError as died:
+                    raise died from error
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
-    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self._call("initialize_kv_cache", num_blocks, max_model_len)
+    def call(self, method: str, *args: Any) -> Any:
+        self.send(encode_call(method, *args))
+        return self.recv(method)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", scheduler_output)
-
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 5.0) -> None:
+        """Ask the worker to shut down (at most `wait_s` for its answer), then make sure the
+        process is gone."""
         with contextlib.suppress(WorkerDiedError, zmq.ZMQError):
-            if self._proc.is_alive():
-                self._sock.send(pickle.dumps(("shutdown", ())))
-                if self._sock.poll(5000):
+            if wait_s > 0 and self._proc.is_alive():
+                self._sock.send(encode_call("shutdown"))
+                if self._sock.poll(int(wait_s * 1000)):
                     self._sock.recv()
-        self._proc.join(timeout=5)
+        self._proc.join(timeout=wait_s)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout=5)
@@ -146,8 +201,40 @@ class MultiprocExecutor:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class MultiprocExecutor:
+    """The Worker in a child process (see the module docstring)."""
+
+    max_concurrent_batches = 1
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._worker = WorkerProc(config)
+
+    @property
+    def pid(self) -> int | None:
+        return self._worker.pid
+
+    def load_model(self) -> ModelInfo:
+        return self._worker.call("load_model")
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self._worker.call("initialize_kv_cache", num_blocks, max_model_len)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._worker.call("execute_model", scheduler_output)
+
+    def shutdown(self) -> None:
+        self._worker.shutdown()
+
+
 def make_executor(config: EngineConfig, loaded: LoadedModel | None = None) -> Executor:
-    """The executor `config.parallel.distributed_executor_backend` names (`uni` default)."""
+    """The executor `config.parallel.distributed_executor_backend` names (`uni` default);
+    with --pipeline-parallel-size > 1 one worker process per stage."""
+    if config.parallel.pipeline_parallel_size > 1:
+        if loaded is not None:
+            raise ValueError("a preloaded model is one process: pipeline stages load their own")
+        from sous.engine.pp.executor import PipelineExecutor
+
+        return PipelineExecutor(config)
     backend = getattr(config.parallel, "distributed_executor_backend", None) or "uni"
     if backend == "mp":
         if loaded is not None:

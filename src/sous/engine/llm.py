@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ class LLM:
 
         self.engine = EngineCore(engine_config_from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
+        weakref.finalize(self, self.engine.shutdown)  # worker processes (if any) end with it
 
     def get_tokenizer(self):
         return self.engine.tokenizer

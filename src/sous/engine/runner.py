@@ -24,13 +24,16 @@ Seams for the features built on it:
   forward pass (a request whose load comes up short sits the step out, reported in
   `ModelRunnerOutput.kv_load_errors`) and saves after it;
 - `kv_hooks`: per-layer calls before attention reads a layer's KV and after it writes it
-  (a connector that moves KV layer by layer), carried to attention in the metadata.
+  (a connector that moves KV layer by layer), carried to attention in the metadata;
+- `pp`: a pipeline stage's `StageLink` (`sous.engine.pp`): the forward pass starts from the
+  previous stage's hidden states and, before the last stage, hands its own to the next stage
+  and samples nothing; such a stage learns sampled tokens through `append_sampled`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -90,8 +93,11 @@ class ModelRunner:
         self.connector: KVConnectorBase | None = None
         self.kv_hooks: KVLayerHooks | None = None
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.pp: Any = None
+        """A pipeline stage's `StageLink` (None: the whole model runs here)."""
         self.lockstep = False
-        """Expert parallel: every forward pass is a collective with the other ranks."""
+        """Expert and pipeline parallel: every forward pass is matched by the other ranks'
+        (a failed step is the engine's, never re-run request by request)."""
         self._target_step: TargetStep | None = None
         """The last batched forward pass, for a proposer that `uses_target_step`."""
         torch.manual_seed(seed)
@@ -191,13 +197,11 @@ class ModelRunner:
             return self._propose(result)
         except Exception as e:
             self._target_step = None
-            if is_device_fault(e):
-                raise
+            if is_device_fault(e) or self.lockstep:  # a re-run would be collectives (or
+                raise  # stage hand-overs) the other ranks never join
             if len(req_ids) == 1:
                 _fail(result, req_ids[0], e, "step")
                 return result
-            if self.lockstep:  # a re-run would be collectives the other ranks never join
-                raise
             logger.warning("A step of %d requests failed (%s: %s); re-running them one by one "
                            "to find the failing request.", len(req_ids), type(e).__name__, e)
         for rid, state in saved.items():  # seeded rows sample again from the same state
@@ -248,7 +252,7 @@ class ModelRunner:
         ids = torch.from_numpy(inputs.token_ids).to(self.device)
         hidden = self._forward(ids, meta, inputs)
         result = ModelRunnerOutput()
-        if not len(inputs.logits_indices):
+        if hidden is None or not len(inputs.logits_indices):
             return result
         idx = torch.from_numpy(inputs.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
@@ -259,9 +263,12 @@ class ModelRunner:
         return result
 
     def _forward(self, ids: torch.Tensor, meta: AttentionMetadata,
-                 inputs: StepInputs) -> torch.Tensor:
-        """The model's hidden states; keeps the pass for a proposer that `uses_target_step`."""
+                 inputs: StepInputs) -> torch.Tensor | None:
+        """The model's hidden states (None on a pipeline stage before the last); keeps the
+        pass for a proposer that `uses_target_step`."""
         positions = meta.positions
+        if self.pp is not None:
+            return self._forward_stage(ids, meta)
         aux: list[torch.Tensor] = []
         if self.aux_hidden_state_layers:
             hidden, aux = self.model(ids, positions, self.kv_caches, meta,
@@ -271,6 +278,31 @@ class ModelRunner:
         if self.proposer is not None and self.proposer.uses_target_step:
             self._target_step = TargetStep(inputs, aux, hidden)
         return hidden
+
+    def _forward_stage(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """This pipeline stage's layers, from the previous stage's hidden states (or the
+        tokens); before the last stage they go on to the next one and None is returned."""
+        link = self.pp
+        intermediate = None if link.is_first else link.recv()
+        out = self.model(ids, meta.positions, self.kv_caches, meta, intermediate=intermediate)
+        if link.is_last:
+            return out
+        link.send(out)
+        return None
+
+    def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
+        """Append tokens sampled elsewhere (by the last pipeline stage) to the requests held
+        here; ids no longer held are skipped."""
+        batch = self.input_batch
+        for rid, tokens in sampled_token_ids.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            row = batch.req_id_to_index.get(rid)
+            if row is None:  # out of the batch (preempted): it is re-added from its state
+                state.output_token_ids.extend(tokens)
+            else:
+                self._append(row, state, tokens)
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         num_blocks = inputs.num_blocks(self.block_size)

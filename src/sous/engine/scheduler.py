@@ -123,15 +123,17 @@ class Scheduler:
         blocks kept for a reader): the worker must be polled even with nothing to run."""
         return bool(self.recving or self.delayed)
 
-    def schedule(self) -> SchedulerOutput:
-        """Hand out this step's token budget; advances each scheduled request's
-        `num_computed_tokens` by its share."""
+    def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
+        """Hand out this step's token budget, to at most `max_num_reqs` requests (a pipeline
+        micro-batch; None: no cap); advances each scheduled request's `num_computed_tokens`
+        by its share."""
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(scheduled, out, budget)
+        limit = max_num_reqs or self.config.max_num_seqs
+        budget = self._schedule_running(scheduled, out, budget, limit)
         if not out.preempted_req_ids:
-            self._schedule_waiting(scheduled, budget)
+            self._schedule_waiting(scheduled, budget, limit)
         for request, n in scheduled:
             self._describe(out, request, n)
             request.num_computed_tokens += n
@@ -178,11 +180,11 @@ class Scheduler:
         return min(n, budget)
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput,
-                          budget: int) -> int:
+                          budget: int, max_num_reqs: int) -> int:
         limit = self.spec_disable_batch_size
         drafting = limit is None or len(self.running) + len(self.waiting) <= limit
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < max_num_reqs:
             request = self.running[i]
             drafts, request.spec_token_ids = request.spec_token_ids if drafting else [], []
             n = self._num_new_tokens(request, request.num_computed_tokens, budget, len(drafts))
@@ -204,9 +206,11 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+    def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int,
+                          max_num_reqs: int) -> None:
         skipped: deque[Request] = deque()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(scheduled) < max_num_reqs):
             request = self.waiting[0]
             if not all(gate.ready(request) for gate in self.gates):
                 skipped.append(self.waiting.popleft())

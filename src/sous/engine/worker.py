@@ -67,9 +67,19 @@ class ModelInfo:
 class Worker:
     """Loads the model on `config.device` and runs steps on it (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 pp_rank: int = 0, pp_group: tuple[str, int] | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        self.pp_rank = pp_rank
+        """This worker's pipeline stage (`--pipeline-parallel-size`; 0 of 1 without)."""
+        self._pp_group = pp_group
+        """Where the stages' process group meets (host, port); None: one stage."""
+        self.pp_link: Any = None
+        pp_size = config.parallel.pipeline_parallel_size
+        if pp_group is not None and self.device.type == "cuda" and (
+                torch.cuda.device_count() >= pp_size):
+            self.device = torch.device("cuda", pp_rank)  # a device per stage
         self._loaded = loaded
         self.runner: Any = None
         self.loaded: LoadedModel | None = None
@@ -80,7 +90,7 @@ class Worker:
             par = config.parallel
             local = par.dp_size_local
             self.cpu_binding = apply_cpu_threads(
-                par.cpu_threads, rank=0,
+                par.cpu_threads, rank=pp_rank,
                 world_size=par.tensor_parallel_size * par.pipeline_parallel_size,
                 local_dp_rank=par.dp_rank - par.data_parallel_start_rank if local > 1 else None,
                 local_dp_size=local)
@@ -91,6 +101,8 @@ class Worker:
                                                 self.device)
         if self.config.parallel.expert_parallel_active:
             log_expert_placement(loaded.model)
+        if self._pp_group is not None:
+            self._join_pipeline(loaded)
         self._loaded = None
         self.loaded = loaded
         cache = self.config.cache
@@ -116,6 +128,20 @@ class Worker:
             eos_token_ids=list(loaded.eos_token_ids), model_path=loaded.model_path,
             kv_cache_spec=spec, device=str(self.device), quantization=loaded.quantization,
             draft_kv_cache_spec=draft_spec, speculative_config=self.spec_config)
+
+    def _join_pipeline(self, loaded: LoadedModel) -> None:
+        """Keep this stage's share of the model and join the stages' process group."""
+        from sous.engine.pp.link import StageLink
+        from sous.models.pipeline import prune_to_stage
+
+        size = self.config.parallel.pipeline_parallel_size
+        if not hasattr(loaded.model, "pp_stage"):
+            raise ConfigError(f"--pipeline-parallel-size {size}: {type(loaded.model).__name__} "
+                              "cannot be split into pipeline stages yet")
+        prune_to_stage(loaded.model, self.pp_rank, size)
+        assert self._pp_group is not None
+        host, port = self._pp_group
+        self.pp_link = StageLink(self.pp_rank, size, host, port, self.device)
 
     def _load_drafter(self, loaded: LoadedModel) -> tuple[Any, int | None]:
         """The `DraftModel` of an `eagle3` / `mtp` config and its `n_predict` (None: unknown);
@@ -161,6 +187,9 @@ class Worker:
             max_model_len=max_model_len, eos_token_ids=list(self.loaded.eos_token_ids),
             max_spec_tokens=k, num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
         self.runner.lockstep = self.config.parallel.expert_parallel_active
+        if self.pp_link is not None:
+            self.runner.pp = self.pp_link
+            self.runner.lockstep = True
         if self.draft is not None:
             from sous.engine.spec_decode.eagle_proposer import EagleProposer
 
@@ -179,13 +208,22 @@ class Worker:
             if connector.uses_layer_hooks:
                 self.runner.kv_hooks = connector
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      sampled_token_ids: dict[str, list[int]] | None = None
+                      ) -> ModelRunnerOutput:
+        """Run a step. A pipeline stage before the last first appends `sampled_token_ids`
+        (what the last stage sampled since the previous step) to its requests."""
         if self.cpu_binding is not None:  # steps on another thread use that thread's OpenMP pool
             self.cpu_binding.follow_current_thread()
+        if sampled_token_ids and self.pp_link is not None and not self.pp_link.is_last:
+            self.runner.append_sampled(sampled_token_ids)
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.connector is not None:
             self.runner.connector.shutdown()
+        if self.pp_link is not None:
+            self.pp_link.close()
+            self.pp_link = None
         self.runner = None
         self.loaded = None

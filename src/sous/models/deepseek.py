@@ -34,6 +34,7 @@ from sous.models.layers.mla import MLAAttention, MLAKVCacheSpec, RopeTables, _Un
 from sous.models.layers.moe import FusedMoE, MoEConfig
 from sous.models.layers.norm import RMSNorm
 from sous.models.layers.rotary import RotaryEmbedding
+from sous.models.pipeline import IntermediateTensors, PPStage, embed_or_resume
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     """DeepSeek-V3 decoder on the latent paged KV cache.
 
     `forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, H]` (after
-    the final norm); `compute_logits(hidden [N, H]) -> float32 [N, vocab]`;
+    the final norm; a pipeline stage as `LlamaForCausalLM`'s); `compute_logits(hidden [N, H]) -> float32 [N, vocab]`;
     `kv_cache_spec() -> MLAKVCacheSpec`; `load_weights` takes Hugging Face names."""
 
     ARCH = _Arch()
@@ -209,6 +210,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
         self.lm_head: nn.Module = _Unloaded()
         self.mtp = nn.ModuleList()
+        self.pp_stage = PPStage.whole(cfg.num_hidden_layers)
 
     def new_mtp_layer(self) -> DeepseekMTPLayer:
         """Append an (unloaded) MTP module; its block is MoE when the model has MoE layers."""
@@ -220,7 +222,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def kv_cache_spec(self) -> MLAKVCacheSpec:
         cfg = self.config
         return MLAKVCacheSpec(
-            num_layers=cfg.num_hidden_layers,
+            num_layers=self.pp_stage.num_layers,
             kv_lora_rank=cfg.kv_lora_rank,
             qk_rope_head_dim=cfg.qk_rope_head_dim,
             index_head_dim=cfg.index_head_dim if self.ARCH.indexer else 0,
@@ -228,14 +230,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                intermediate: IntermediateTensors | None = None) -> Any:
         m = self.model
-        h = F.embedding(input_ids, m.embed_tokens.weight)
+        h, residual = embed_or_resume(m.embed_tokens, input_ids, intermediate)
         cos, sin = self.rotary.lookup(positions, h.dtype)
         rt = RopeTables(self.rotary.lookup_complex(positions), cos, sin)
-        residual = None
-        for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.pp_stage.layers(m.layers), kv_caches, strict=True):
             h, residual = layer.forward(h, residual, rt, kv_cache, attn_metadata)
+        if not self.pp_stage.is_last:
+            return IntermediateTensors(h, residual)
         h, _ = m.norm.forward(h, residual)
         return h
 

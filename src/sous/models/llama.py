@@ -32,6 +32,7 @@ from sous.models.layers.rotary import (
     interleave_rows,
 )
 from sous.models.llama_stack import build_llama_stack, stack_runs
+from sous.models.pipeline import IntermediateTensors, PPStage
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FUSED = {
@@ -147,7 +148,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama decoder on the paged KV cache.
 
     `forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, H]` (after
-    the final norm); `compute_logits(hidden [N, H]) -> float32 [N, vocab]`.
+    the final norm); `compute_logits(hidden [N, H]) -> float32 [N, vocab]`. A pipeline stage
+    (`pp_stage`, `sous.models.pipeline`) runs its own layers over its own `kv_caches`.
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype):
@@ -163,12 +165,13 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = LlamaModel(hf_config, self.head_dim, dtype)
         self.lm_head: nn.Module = _Unloaded()
+        self.pp_stage = PPStage.whole(hf_config.num_hidden_layers)
         self._stacks: dict[tuple[int, ...], list[tuple[int, int, Any]] | None] = {}
         """`_layer_stacks`' cache, per set of aux layers."""
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(
-            num_layers=self.config.num_hidden_layers,
+            num_layers=self.pp_stage.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_dim,
             dtype=self.dtype,
@@ -181,43 +184,55 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
         aux_hidden_state_layers: tuple[int, ...] = (),
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        intermediate: IntermediateTensors | None = None,
+    ) -> Any:
         """With `aux_hidden_state_layers`, also returns the residual stream entering each of
-        those layers (`[T, H]` each, in layer order), as EAGLE-3 drafts read it."""
+        those layers (`[T, H]` each, in layer order), as EAGLE-3 drafts read it. A stage
+        after the first starts from `intermediate`; one before the last returns its
+        `IntermediateTensors`."""
         m = self.model
-        h = m.embed_tokens.forward(input_ids)
+        stage = self.pp_stage
+        if intermediate is None:
+            h, residual = m.embed_tokens.forward(input_ids), None
+        else:
+            h, residual = intermediate.hidden_states, intermediate.residual
         if h.dtype == self.dtype and stack_runs(attn_metadata, h):
             aux_layers = tuple(sorted(set(aux_hidden_state_layers)))
             stacks = self._layer_stacks(aux_layers)
             if stacks is not None:
-                return self._forward_stacks(stacks, h, positions, kv_caches, attn_metadata,
-                                            aux_layers)
+                return self._forward_stacks(stacks, h, residual, positions, kv_caches,
+                                            attn_metadata, aux_layers)
         rope = m.rotary.step(positions)
-        residual = None
         aux: list[torch.Tensor] = []
-        for i, (layer, kv_cache) in enumerate(zip(m.layers, kv_caches, strict=True)):
+        layers = stage.layers(m.layers)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True),
+                                              stage.start_layer):
             if i in aux_hidden_state_layers:
                 aux.append(h if residual is None else h + residual)
             h, residual = layer.forward(h, residual, rope, kv_cache, attn_metadata)
+        if not stage.is_last:
+            return IntermediateTensors(h, residual)
         h, _ = m.norm.forward(h, residual)
         return (h, aux) if aux_hidden_state_layers else h
 
     def _forward_stacks(self, stacks: list[tuple[int, int, Any]], h: torch.Tensor,
-                        positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                        meta: AttentionMetadata, aux_layers: tuple[int, ...],
-                        ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+                        residual: torch.Tensor | None, positions: torch.Tensor,
+                        kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                        aux_layers: tuple[int, ...]) -> Any:
         """`forward` through C++ stacks of consecutive layers, each taking the (h, residual)
         the previous one returned; the stream `h + residual` entering an aux layer is kept."""
         m = self.model
-        residual: torch.Tensor | None = None
+        first = self.pp_stage.start_layer
         aux: list[torch.Tensor] = []
         for start, end, stack in stacks:
             if start in aux_layers:
                 aux.append(h if residual is None else h + residual)
             h, residual = stack.forward(
-                h, kv_caches[start:end], m.rotary.cos, m.rotary.sin, positions,
-                meta.slot_mapping, meta.q_starts, meta.query_lens, meta.seq_lens,
+                h, kv_caches[start - first:end - first], m.rotary.cos, m.rotary.sin,
+                positions, meta.slot_mapping, meta.q_starts, meta.query_lens, meta.seq_lens,
                 meta.block_tables, meta.block_size, residual)
+        if not self.pp_stage.is_last:
+            return IntermediateTensors(h, residual)
         h = m.norm.forward(h, residual)[0]
         return (h, aux) if aux_layers else h
 
@@ -226,8 +241,9 @@ class LlamaForCausalLM(nn.Module):
         aux layers; `(start, end, stack)` each, built on first use. None when they do not
         qualify."""
         if aux_layers not in self._stacks:
-            bounds = [b for b in aux_layers if b > 0]
-            edges = [0, *bounds, self.config.num_hidden_layers]
+            stage = self.pp_stage
+            bounds = [b for b in aux_layers if stage.start_layer < b < stage.end_layer]
+            edges = [stage.start_layer, *bounds, stage.end_layer]
             built = [(a, b, build_llama_stack(self, a, b))
                      for a, b in itertools.pairwise(edges) if b > a]
             ok = all(stack is not None for _, _, stack in built)

@@ -329,3 +329,12 @@ def load_model(
     else:
         loaded.served_model_name = model_config.model
     return loaded
+
+
+def num_hidden_layers(model_config: ModelConfig) -> int:
+    """MODEL's decoder layer count, read from its config (nothing is loaded)."""
+    path, is_gguf = _locate(model_config)
+    if is_gguf:
+        return int(gg.build_config(gg.open_gguf(path)).num_hidden_layers)
+    raw = st.read_json(path / "config.json")
+    return int(raw.get("num_hidden_layers") or raw.get("text_config", {})["num_hidden_layers"])

@@ -34,6 +34,7 @@ from sous.models.layers.moe import FusedMoE, MoEConfig
 from sous.models.layers.norm import RMSNorm
 from sous.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from sous.models.minimax_m2_mtp import MTP_OPTIONAL, MTP_REQUIRED, MiniMaxM2MTP, MiniMaxM2MTPLayer
+from sous.models.pipeline import IntermediateTensors, PPStage, embed_or_resume
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(
@@ -179,7 +180,7 @@ class MiniMaxM2Model(nn.Module):
 class MiniMaxM2ForCausalLM(nn.Module):
     """MiniMax-M2 decoder on the paged KV cache (model interface of `LlamaForCausalLM`):
     `forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, H]` (after the
-    final norm); `compute_logits(hidden [N, H]) -> float32 [N, vocab]`; MTP drafting through
+    final norm; a pipeline stage as `LlamaForCausalLM`'s); `compute_logits(hidden [N, H]) -> float32 [N, vocab]`; MTP drafting through
     `forward_mtp(k, ...)` / `compute_mtp_logits(k, ...)` over the modules in `self.mtp`."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype):
@@ -196,6 +197,7 @@ class MiniMaxM2ForCausalLM(nn.Module):
         self.lm_head: nn.Module = nn.Identity()
         num_mtp = int(getattr(hf_config, "num_mtp_modules", 0) or 0)
         self.mtp = MiniMaxM2MTP(num_mtp)
+        self.pp_stage = PPStage.whole(hf_config.num_hidden_layers)
 
     def new_mtp_layer(self) -> MiniMaxM2MTPLayer:
         """Append an (unloaded) MTP module whose block is a decoder layer of the main kind."""
@@ -208,7 +210,7 @@ class MiniMaxM2ForCausalLM(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         """Full-width K and V per layer: `2 * layers * kv_heads * head_dim * elem` B/token."""
         return KVCacheSpec(
-            num_layers=self.config.num_hidden_layers,
+            num_layers=self.pp_stage.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_dim,
             dtype=self.dtype,
@@ -220,13 +222,15 @@ class MiniMaxM2ForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+        intermediate: IntermediateTensors | None = None,
+    ) -> Any:
         m = self.model
-        h = F.embedding(input_ids, m.embed_tokens.weight)
+        h, residual = embed_or_resume(m.embed_tokens, input_ids, intermediate)
         cos_sin = m.rotary.lookup(positions, self.dtype)
-        residual = None
-        for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.pp_stage.layers(m.layers), kv_caches, strict=True):
             h, residual = layer.forward(h, residual, cos_sin, kv_cache, attn_metadata)
+        if not self.pp_stage.is_last:
+            return IntermediateTensors(h, residual)
         h, _ = m.norm.forward(h, residual)
         return h
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from sous.recipes.compose import Arg, EnvVar, Plan, Process
+from sous.recipes.k8s import devices_per_process
 from sous.recipes.schema import RecipeError
 
 __all__ = ["LaunchSpec", "PortMap", "add_launch_parser", "build_launch", "kv_cache_share_gib",
@@ -239,7 +240,7 @@ def _kv_budget_env(process: Process, envs: list[EnvVar], share_gib: float
         return env, []
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{share_gib:g}"
     return env, [f"VLLM_CPU_KVCACHE_SPACE={share_gib:g} (KV cache GiB: half of this machine's "
-                 "available memory, shared by the servers, at most 4)"]
+                 "available memory, shared by the engine workers, at most 4)"]
 
 
 def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap,
@@ -247,12 +248,13 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
                  kv_share_gib: float | None = None,
                  ) -> tuple[list[LaunchSpec], dict[str, list[tuple[str, str]]]]:
     """The processes to start, and per process label the unsupported flags that block
-    the launch (empty when none, or when they are dropped). Each server gets an equal KV
-    cache share (`kv_share_gib`, default `kv_cache_share_gib(len(processes))`). With a
+    the launch (empty when none, or when they are dropped). Each engine worker (a data
+    parallel rank, a pipeline stage) gets an equal KV cache share (`kv_share_gib`, default
+    `kv_cache_share_gib` over all of them). With a
     router, its config file is written to `log_dir` and `sous route` comes last."""
     specs, blocking, roles = [], {}, []
     if kv_share_gib is None:
-        kv_share_gib = kv_cache_share_gib(len(plan.processes))
+        kv_share_gib = kv_cache_share_gib(sum(devices_per_process(p) for p in plan.processes))
     for process in plan.processes:
         if process.launcher_words != ["vllm", "serve"]:
             raise RecipeError(f"{process.label}: launcher {process.launcher!r} is not "
@@ -278,7 +280,7 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
                                 dropped=tuple(bad) if drop_unsupported else (),
                                 notes=tuple(notes + kv_notes)))
         roles.append(process.role)
-    if plan.router:
+    if plan.router and not blocking:  # its config file is written only for a launch
         specs.append(_router_spec(plan, list(zip(roles, specs, strict=True)), stand_in, log_dir,
                                   ports.allocate()))
     return specs, blocking

@@ -221,7 +221,8 @@ def run_server(engine_config: Any, server_config: ServerConfig | None = None) ->
 
 def _make_engine(engine_config: Any, config: ServerConfig) -> Any:
     """`AsyncLLM` on one engine core here, or `DPAsyncLLM` over --data-parallel-size ranks
-    (unless --data-parallel-rank makes this server one rank behind an external balancer)."""
+    (unless --data-parallel-rank makes this server one rank behind an external balancer;
+    with --enable-expert-parallel such a rank steps in lockstep with the other servers')."""
     par = engine_config.parallel
     if par.data_parallel_size > 1 and par.data_parallel_rank is None:
         from sous.engine.dp.client import DPAsyncLLM
@@ -229,7 +230,14 @@ def _make_engine(engine_config: Any, config: ServerConfig) -> Any:
         return DPAsyncLLM(engine_config, config.reasoning_parser)
     from sous.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_config(engine_config, start_thread=False)
+    if not par.expert_parallel_active:
+        return AsyncLLM.from_config(engine_config, start_thread=False)
+    from sous.engine.dp.lockstep import join_external_ep_group
+
+    step_sync = join_external_ep_group(engine_config)  # before loading: experts are placed
+    engine = AsyncLLM.from_config(engine_config, start_thread=False)
+    engine.core.step_sync = step_sync
+    return engine
 
 
 class _OnSignal:

@@ -37,17 +37,39 @@ IDLE_POLL_S = 0.005
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
-def init_dp_group(host: str, port: int, rank: int, size: int) -> None:
-    """Join the data parallel process group (blocks until all `size` ranks have joined). On
-    a loopback address gloo is told to use the loopback interface (it otherwise picks the
-    one the host name resolves to, which may not reach 127.0.0.1)."""
+def init_dp_group(host: str, port: int, rank: int, size: int, label: str = "Expert parallel",
+                  backend: str = "gloo") -> None:
+    """Join a process group of `size` ranks (blocks until all have joined; `label` names it
+    in the log). On a loopback address gloo is told to use the loopback interface (it
+    otherwise picks the one the host name resolves to, which may not reach 127.0.0.1)."""
     if host in ("127.0.0.1", "localhost") and sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
+        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    logger.info("Expert parallel: rank %d of %d joined the process group at %s:%d", rank,
-                size, host, port)
+    logger.info("%s: rank %d of %d joined the %s process group at %s:%d", label, rank, size,
+                backend, host, port)
+
+
+def join_external_ep_group(config: EngineConfig) -> StepSync:
+    """Join the expert parallel group as an external rank (`--data-parallel-rank R`: one
+    server per rank, behind a router), rendezvous at --data-parallel-address and
+    --data-parallel-rpc-port (rank 0 hosts it); returns the rank's StepSync. ConfigError
+    naming those flags when the group does not form in time."""
+    from sous.engine.dp.wire import DEFAULT_RPC_PORT
+
+    par = config.parallel
+    host = par.data_parallel_address or "127.0.0.1"
+    port = par.data_parallel_rpc_port or DEFAULT_RPC_PORT
+    try:
+        init_dp_group(host, port, par.dp_rank, par.data_parallel_size)
+    except (RuntimeError, ValueError) as e:  # torch's store errors derive from RuntimeError
+        raise ConfigError(
+            f"--enable-expert-parallel --data-parallel-rank {par.dp_rank}: the "
+            f"{par.data_parallel_size} ranks did not meet at --data-parallel-address {host} "
+            f"--data-parallel-rpc-port {port} within {COLLECTIVE_TIMEOUT_S:.0f} s ({e}); start "
+            "every rank with the same flags") from e
+    return StepSync()
 
 
 @contextlib.contextmanager

@@ -122,8 +122,7 @@ def run_rank(config: EngineConfig, coordinator: str, reasoning_parser: str | Non
             llm.run_engine_loop()
         finally:
             bridge.finish(llm.dead_reason if llm.died else None)
-            llm.shutdown()
-            StepSync.close()
+            llm.shutdown()  # leaves the process group too
         return 1 if llm.died else 0
     finally:
         sock.close(linger=1000)
