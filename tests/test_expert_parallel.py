@@ -118,13 +118,16 @@ MODELS = {  # maker, routed experts, MoE layers, expert weights per layer (E x (
 SENTENCE = "the cat and the dog are big and the sun is red"
 
 
-def _complete(url: str, prompt: str) -> str:
+def _complete(url: str, prompt: str, extra: str = "min_tokens") -> str:
+    """Ten greedy tokens; `extra` "ignore_eos" instead of min_tokens lets drafts start at once
+    (no request is drafted for before its min_tokens)."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     model = client.models.list().data[0].id
     out = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
-                                    extra_body={"min_tokens": 10})
+                                    extra_body={"min_tokens": 10} if extra == "min_tokens"
+                                    else {"ignore_eos": True})
     return out.choices[0].text
 
 
@@ -152,6 +155,31 @@ def test_dp2_expert_parallel_answers_as_one_process(arch: str, tmp_path: Path) -
                 f"{experts} in each of {layers} MoE layers ({layers * per_layer // 2} expert "
                 "weights here)")
         assert line in log, re.findall(r"Expert parallel: .*", log)
+
+
+def test_drafts_verified_over_expert_parallel_ranks_answer_as_one_process(
+        tmp_path: Path) -> None:
+    """Suffix drafts with DP=2 + EP: each rank verifies its own requests' drafts (prompts
+    asked a second time match the answers its suffix cache holds) in steps whose MoE layers
+    span both ranks; greedy output equals one process without drafts, and drafts were
+    accepted."""
+    from test_data_parallel import engine_counters
+
+    path = make_tiny_minimax_m2(tmp_path)
+    args = [str(path), "--dtype", "float32", "--max-model-len", "256", "--block-size", "16",
+            "--kv-cache-memory-bytes", "16MiB"]
+    prompts = [" ".join(SENTENCE.split()[i:] + SENTENCE.split()[:i]) for i in range(8)]
+    env = {"OMP_NUM_THREADS": "1"}
+    with sous_serve(args, tmp_path / "one.log", env=env) as one:
+        want = [_complete(one, p, "ignore_eos") for p in prompts]
+    ep_args = [*args, "--data-parallel-size", "2", "--enable-expert-parallel",
+               "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}']
+    with sous_serve(ep_args, tmp_path / "ep.log", env=env) as ep:
+        for _ in range(2):
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(lambda p: _complete(ep, p, "ignore_eos"), prompts)) == want
+        accepted = engine_counters(ep, "vllm:spec_decode_num_accepted_tokens_total")
+    assert len(accepted) == 2 and sum(accepted.values()) > 0, accepted
 
 
 def test_separate_rank_servers_answer_as_one_process(tmp_path: Path) -> None:
@@ -226,8 +254,8 @@ def test_expert_parallel_on_a_dense_model_exits_2_naming_the_flag(tmp_path: Path
     (["--enable-expert-parallel", "--data-parallel-size", "1", "--data-parallel-rank", "0"],
      "--enable-expert-parallel needs --data-parallel-size > 1"),
     (["--enable-expert-parallel", "--data-parallel-size", "2", "--speculative-config",
-      '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
-     "--enable-expert-parallel with --speculative-config is not supported yet"),
+      '{"method": "mtp", "num_speculative_tokens": 1}'],
+     "--enable-expert-parallel with --speculative-config method 'mtp' is not supported yet"),
 ])
 def test_expert_parallel_flag_combinations_exit_2(argv: list[str], needle: str) -> None:
     assert needle in serve_flag_error(argv)

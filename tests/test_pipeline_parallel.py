@@ -2,7 +2,8 @@
 30 layers as two stage processes (0-14 with the embedding, 15-29 with the norm and LM head)
 and answers greedy chats token for token as one process does, alone and 16 at once (two
 micro-batches in flight); tiny DeepSeek-V3 and MiniMax-M2 checkpoints split the same way;
-a killed stage makes the server fail its clients and exit non-zero; impossible splits and
+n-gram and suffix drafts are verified across the stages with the same output; a killed stage
+makes the server fail its clients and exit non-zero; impossible splits and
 unsupported combinations are refused naming the flag."""
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ def test_more_stages_than_layers_fails_before_any_process_starts() -> None:
 @pytest.mark.parametrize("argv,needle", [
     (["--data-parallel-size", "2"], "--pipeline-parallel-size 2 with data parallel flags"),
     (["--distributed-executor-backend", "uni"], "cannot use --distributed-executor-backend uni"),
-    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
-                              '"prompt_lookup_max": 3}'],
-     "--pipeline-parallel-size 2 with --speculative-config is not supported yet"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+     "--pipeline-parallel-size 2 with --speculative-config method 'mtp' is not supported yet"),
+    (["--speculative-config", '{"method": "eagle3", "model": "/x", '
+                              '"num_speculative_tokens": 3}'],
+     "--pipeline-parallel-size 2 with --speculative-config method 'eagle3' is not supported"),
 ])
 def test_unsupported_combinations_exit_2_naming_the_flags(argv: list[str], needle: str) -> None:
     assert needle in serve_flag_error([*PP, *argv])
@@ -147,6 +150,33 @@ def test_chunked_prefill_and_preemption_with_batches_in_flight() -> None:
         finally:
             llm.engine.shutdown()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_drafts_verified_across_stages_answer_as_one_process(method: str) -> None:
+    """n-gram and suffix drafts with two stages: the last stage drafts and verifies, the
+    first learns the accepted tokens; greedy output equals one process without drafts, and
+    drafts are accepted (copy-heavy prompts)."""
+    from sous.engine.llm import LLM
+    from sous.engine.sampling_params import SamplingParams
+
+    text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    prompts = [f"Repeat this code exactly, {n} times:\n{text}" for n in ("two", "three", "four")]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec["prompt_lookup_max"] = 4
+    results = []
+    for extra in ({}, {"pipeline_parallel_size": 2, "speculative_config": spec}):
+        llm = LLM(dtype="float32", max_model_len=512, **extra)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results.append([o.outputs[0].token_ids for o in outs])
+            stats = llm.engine.scheduler.spec_decoding
+        finally:
+            llm.engine.shutdown()
+    assert results[0] == results[1]
+    assert stats is not None and stats.num_accepted_tokens > 0
 
 
 # ------------------------------------------------------------------------- over HTTP

@@ -129,13 +129,16 @@ def test_remapped_ports_inside_json_values(tmp_path):
 
 
 def test_aggregated_dp_ep_comes_up_with_a_moe_stand_in(capsys, tmp_path: Path):
-    """The recipe's DP+EP selection runs without --drop-unsupported: two data parallel ranks
-    (scaled down from 4) splitting a tiny MiniMax-M2's experts, answering a chat."""
+    """The recipe's recommended DP+EP selection (LMCache RDS, sub-block prefix caching, with
+    suffix drafts in place of its EAGLE-3 head for another model) runs without
+    --drop-unsupported: two data parallel ranks (scaled down from 4) splitting a tiny
+    MiniMax-M2's experts, answering a chat."""
     from tiny_models import make_tiny_minimax_m2
 
     stand_in = make_tiny_minimax_m2(tmp_path)
     code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-data-expert-parallel",
-                 "--target", "Throughput", "--duration", "0.2", "--stand-in", str(stand_in),
+                 "--target", "Throughput", "--recommended", "--set", "spec_decode=suffix",
+                 "--duration", "0.2", "--stand-in", str(stand_in),
                  "--stand-in-max-model-len", "256", "--log-dir", str(tmp_path / "logs"),
                  "--ready-timeout", "240", "--max-ranks", "2"])
     err = capsys.readouterr().err
@@ -157,10 +160,12 @@ def test_dense_stand_in_leaves_expert_parallel_out_and_says_so(tmp_path: Path):
 
 
 def test_aggregated_pipeline_parallel_comes_up(capsys, tmp_path: Path):
-    """The recipe's PP selection runs without --drop-unsupported: two stages (scaled down
-    from 4) of the bundled stand-in's layers, each with its own KV cache share."""
+    """The recipe's PP selection, with suffix drafts and sub-block prefix caching, runs
+    without --drop-unsupported: two stages (scaled down from 4) of the bundled stand-in's
+    layers, each with its own KV cache share."""
     code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-pipeline-parallel",
-                 "--target", "Throughput", "--duration", "0.2", "--log-dir", str(tmp_path),
+                 "--target", "Throughput", "--set", "spec_decode=suffix",
+                 "prefix_caching=on_sub_block", "--duration", "0.2", "--log-dir", str(tmp_path),
                  "--ready-timeout", "240", "--max-ranks", "2"])
     err = capsys.readouterr().err
     assert code == 0, err

@@ -165,16 +165,21 @@ def _speculative_problem(value: dict[str, Any] | None) -> str | None:
     return None
 
 
-def _eagle1(value: dict[str, Any] | None) -> bool:
-    """An EAGLE (1) `--speculative-config` (not built yet; n-gram, suffix, EAGLE-3 and MTP
-    are)."""
+def _spec_method(value: dict[str, Any] | None) -> str | None:
+    """The method of a `--speculative-config` (None: none, or one its own check reports)."""
     from sous.engine.spec_decode.config import resolve_speculative_config
 
     try:
         spec = resolve_speculative_config(value)
     except ValueError:  # reported by its check
-        return False
-    return spec is not None and spec.method == "eagle"
+        return None
+    return None if spec is None else spec.method
+
+
+def _eagle1(value: dict[str, Any] | None) -> bool:
+    """An EAGLE (1) `--speculative-config` (not built yet; n-gram, suffix, EAGLE-3 and MTP
+    are)."""
+    return _spec_method(value) == "eagle"
 
 
 def _structured_outputs_problem(value: dict[str, Any] | None) -> str | None:
@@ -252,9 +257,10 @@ def _parallel_problems(values: Mapping[str, Any]) -> list[str]:
         if size < 2:
             out.append("--enable-expert-parallel needs --data-parallel-size > 1: the routed "
                        "experts are split over the data parallel ranks")
-        elif values.get("speculative_config"):
-            out.append("--enable-expert-parallel with --speculative-config is not supported "
-                       "yet: draft passes would have to run on every rank in step")
+        elif _spec_method(values.get("speculative_config")) == "mtp":
+            out.append("--enable-expert-parallel with --speculative-config method 'mtp' is "
+                       "not supported yet: the MTP layer's experts are split over the ranks "
+                       "too, so its draft passes would have to run on every rank in step")
     out += _pipeline_problems(values)
     if size > 1 and rank is None and values.get("distributed_executor_backend") == "mp":
         out.append("--distributed-executor-backend mp with --data-parallel-size > 1 is not "
@@ -274,9 +280,11 @@ def _pipeline_problems(values: Mapping[str, Any]) -> list[str]:
     if values.get("distributed_executor_backend") == "uni":
         out.append(f"{flag} runs a worker process per stage: it cannot use "
                    "--distributed-executor-backend uni (leave it out, or use mp)")
-    if values.get("speculative_config"):
-        out.append(f"{flag} with --speculative-config is not supported yet: the drafter runs "
-                   "beside the whole model")
+    method = _spec_method(values.get("speculative_config"))
+    if method in ("eagle3", "mtp"):
+        out.append(f"{flag} with --speculative-config method {method!r} is not supported "
+                   "yet: its drafter reads hidden states of layers on other stages (ngram and "
+                   "suffix work)")
     return out
 
 

@@ -198,8 +198,8 @@ class Worker:
             self.runner.aux_hidden_state_layers = self.aux_layers
             self.runner.proposer = EagleProposer(self.draft, draft_caches, cache.block_size, k,
                                                  max_model_len, self.device)
-        elif spec is not None:
-            self.runner.proposer = make_proposer(spec, max_model_len)
+        elif spec is not None and (self.pp_link is None or self.pp_link.is_last):
+            self.runner.proposer = make_proposer(spec, max_model_len)  # drafts from the tokens
         if self.config.kv_transfer_config is not None:
             connector = make_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_spec,
                                        self.loaded)
