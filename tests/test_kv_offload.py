@@ -64,7 +64,10 @@ def assert_served_again(url: str, seed: int) -> None:
     assert ask(url, prompt(seed)) == (first, HIT)
 
 
-def test_cpu_tier_from_config_file_publishes_kv_events(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pp", [1, 2])
+def test_cpu_tier_from_config_file_publishes_kv_events(tmp_path: Path, pp: int) -> None:
+    """With `pp` 2, each pipeline stage keeps its own layers' chunks in its own LMCache
+    engine and the scheduler looks up through both."""
     config = tmp_path / "lmcache.yaml"
     config.write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 0.2\n")
     port = free_port()
@@ -74,8 +77,9 @@ def test_cpu_tier_from_config_file_publishes_kv_events(tmp_path: Path) -> None:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
     log = tmp_path / "serve.log"
-    with sous_serve([*SMALL, "--kv-transfer-config", LMCACHE, "--kv-events-config", events],
-                    log, env={"LMCACHE_CONFIG_FILE": str(config)}) as url:
+    stages = ["--pipeline-parallel-size", str(pp)] if pp > 1 else []
+    with sous_serve([*SMALL, *stages, "--kv-transfer-config", LMCACHE, "--kv-events-config",
+                     events], log, env={"LMCACHE_CONFIG_FILE": str(config)}) as url:
         assert_served_again(url, 1)
         stored = []
         while sub.poll(1000):
@@ -83,7 +87,7 @@ def test_cpu_tier_from_config_file_publishes_kv_events(tmp_path: Path) -> None:
             stored += [e for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored"]
     sub.close()
     text = log.read_text()
-    assert "KV offload (LMCache LMCacheConnectorV1, chunks of 64 tokens" in text
+    assert text.count("KV offload (LMCache LMCacheConnectorV1, chunks of 64 tokens") == pp
     assert "CPU (0.2 GB, " in text
     offload = [e for e in stored if e[6] == "CPU"]
     assert offload and all(e[4] == CHUNK and len(e[3]) == CHUNK for e in offload)
@@ -269,26 +273,27 @@ def test_recipe_launch_runs_the_lmcache_rds_selection(capsys: pytest.CaptureFixt
     assert "plugin RDSBackend (sous.kv_transfer.offload.rds_backend)" in log
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize(("policy", "pp"), [("recompute", 1), ("fail", 1), ("recompute", 2)])
 def test_truncated_disk_chunk_is_a_miss_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                policy: str) -> None:
+                                                policy: str, pp: int) -> None:
     """LMCache's disk tier would serve a truncated chunk file as whatever its buffer held;
     here it is a miss: the request recomputes from the last good chunk (identical output),
-    or with `kv_load_failure_policy: fail` it is aborted."""
+    or with `kv_load_failure_policy: fail` it is aborted. With two pipeline stages the
+    truncated chunk is one stage's: both stages skip the request's load alike."""
     from sous import LLM, SamplingParams
 
     disk = tmp_path / "disk"
     for name, value in env(LMCACHE_LOCAL_CPU="False", LMCACHE_MAX_LOCAL_CPU_SIZE=0.1,
                            LMCACHE_LOCAL_DISK=str(disk), LMCACHE_MAX_LOCAL_DISK_SIZE=0.2).items():
         monkeypatch.setenv(name, value)
-    llm = LLM(num_gpu_blocks_override=40, max_model_len=600,
+    llm = LLM(num_gpu_blocks_override=40, max_model_len=600, pipeline_parallel_size=pp,
               kv_transfer_config={"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
                                   "kv_load_failure_policy": policy})
     try:
         greedy = SamplingParams(max_tokens=12, temperature=0)
         first = llm.generate([prompt(13)], greedy)[0].outputs[0]
         deadline = time.monotonic() + 30
-        while len(stored := list(disk.iterdir())) < HIT // CHUNK:  # written in LMCache's thread
+        while len(stored := list(disk.iterdir())) < pp * HIT // CHUNK:  # in LMCache's thread
             assert time.monotonic() < deadline, stored
             time.sleep(0.1)
         for i in range(3):

@@ -44,7 +44,7 @@ def test_launch_stops_and_lists_unsupported_flags(capsys, tmp_path):
                  "--target", "Latency", "--log-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "    --pipeline-parallel-size: pipeline stages with a KV connector" in err
+    assert "    --pipeline-parallel-size: pipeline stages with the P/D connector" in err
     for flag in ("--kv-cache-dtype", "--tool-call-parser", "--reasoning-parser",
                  "--enable-auto-tool-choice", "--data-parallel-size", "--data-parallel-rank"):
         assert f"    {flag}: " not in err
@@ -160,11 +160,11 @@ def test_dense_stand_in_leaves_expert_parallel_out_and_says_so(tmp_path: Path):
 
 
 def test_aggregated_pipeline_parallel_comes_up(capsys, tmp_path: Path):
-    """The recipe's PP selection, with suffix drafts and sub-block prefix caching, runs
-    without --drop-unsupported: two stages (scaled down from 4) of the bundled stand-in's
-    layers, each with its own KV cache share."""
+    """The recipe's PP selection, with LMCache RDS, suffix drafts and sub-block prefix
+    caching, runs without --drop-unsupported: two stages (scaled down from 4) of the bundled
+    stand-in's layers, each with its own KV cache share and LMCache engine."""
     code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-pipeline-parallel",
-                 "--target", "Throughput", "--set", "spec_decode=suffix",
+                 "--target", "Throughput", "--set", "lmcache=rds", "spec_decode=suffix",
                  "prefix_caching=on_sub_block", "--duration", "0.2", "--log-dir", str(tmp_path),
                  "--ready-timeout", "240", "--max-ranks", "2"])
     err = capsys.readouterr().err
@@ -174,6 +174,7 @@ def test_aggregated_pipeline_parallel_comes_up(capsys, tmp_path: Path):
     log = (tmp_path / "main.log").read_text()
     assert "Pipeline stage 1 of 2: decoder layers 0-14 of 30" in log
     assert "Pipeline stage 2 of 2: decoder layers 15-29 of 30" in log
+    assert log.count("KV offload (LMCache RBLNLMCacheConnectorV1") == 2
 
 
 def _pd_selections() -> list[tuple[str, str, str]]:

@@ -172,6 +172,9 @@ class ModelRunner:
         try:
             connector.start_load_kv()
             result.kv_load_errors = connector.get_load_errors()
+            if self.pp is not None and so.kv_connector_metadata.has_loads():
+                # pipeline stages skip the same requests (they all see the same metadata)
+                result.kv_load_errors = self.pp.agree_load_errors(result.kv_load_errors)
             req_ids = [r for r in req_ids if r not in result.kv_load_errors]
             self._run(req_ids, so, result)
             connector.wait_for_save(set(result.failed) | set(result.kv_load_errors))

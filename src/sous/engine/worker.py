@@ -202,7 +202,7 @@ class Worker:
             self.runner.proposer = make_proposer(spec, max_model_len)  # drafts from the tokens
         if self.config.kv_transfer_config is not None:
             connector = make_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_spec,
-                                       self.loaded)
+                                       self.loaded, pp_rank=self.pp_rank)
             connector.register_kv_caches(kv_caches, cache.block_size)
             self.runner.connector = connector
             if connector.uses_layer_hooks:

@@ -62,6 +62,11 @@ class KVConnectorRole(enum.Enum):
 class KVConnectorMetadata:
     """What a connector's scheduler side tells its worker side for one step (subclassed)."""
 
+    def has_loads(self) -> bool:
+        """False only when the step surely loads no KV (pipeline stages then skip agreeing
+        on failed loads)."""
+        return True
+
 
 @dataclass(frozen=True)
 class KVConnectorContext:
@@ -73,7 +78,9 @@ class KVConnectorContext:
     """The model's KV layout (`KVCacheSpec`: layers, heads, head size, dtype)."""
     block_size: int
     world_size: int = 1
+    """Pipeline stages (`--pipeline-parallel-size`): each holds its own layers' KV."""
     rank: int = 0
+    """The pipeline stage of a worker-side connector (0 on the scheduler side)."""
     dp_rank: int = 0
     """Data-parallel rank (offsets the P/D side channel port, as vLLM)."""
     enable_kv_events: bool = False

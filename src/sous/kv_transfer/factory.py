@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 _OFFLOAD = "sous.kv_transfer.offload.connector:LMCacheOffloadConnector"
 _NIXL = "sous.kv_transfer.pd.connector:NixlConnector"
+OFFLOAD_CONNECTORS = frozenset({"LMCacheConnectorV1", "RBLNLMCacheConnectorV1"})
+"""The names of the offload connector (the only one that runs with pipeline stages)."""
+
 REGISTRY: dict[str, str] = {
     "LMCacheConnectorV1": _OFFLOAD,
     "RBLNLMCacheConnectorV1": _OFFLOAD,
@@ -91,9 +94,11 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole,
 
 def check_placement(config: EngineConfig) -> None:
     """ConfigError, before anything loads, for an offload connector with the worker in
-    another process: its scheduler and worker sides share one LMCache engine."""
+    another process: its scheduler and worker sides share one LMCache engine (pipeline
+    stages answer the scheduler's lookups themselves)."""
     transfer = config.kv_transfer_config
-    if transfer is None or config.parallel.distributed_executor_backend != "mp":
+    if (transfer is None or config.parallel.distributed_executor_backend != "mp"
+            or config.parallel.pipeline_parallel_size > 1):
         return
     offload = [n for n in connector_names(transfer) if REGISTRY.get(n) == _OFFLOAD]
     if offload:
@@ -102,15 +107,19 @@ def check_placement(config: EngineConfig) -> None:
 
 
 def make_connector(config: EngineConfig, role: KVConnectorRole, kv_cache_spec: Any,
-                   loaded: Any) -> KVConnectorBase:
+                   loaded: Any, pp_rank: int = 0) -> KVConnectorBase:
     """The connector `--kv-transfer-config` names, for `role`, in an engine serving
-    `loaded` (a `LoadedModel` or `ModelInfo`: its served name names the offload keys)."""
+    `loaded` (a `LoadedModel` or `ModelInfo`: its served name names the offload keys); a
+    worker-side connector of pipeline stage `pp_rank` moves that stage's layers
+    (`kv_cache_spec`) only."""
     assert config.kv_transfer_config is not None
     transfer = KVTransferConfig.from_dict(config.kv_transfer_config)
     context = KVConnectorContext(
         model_name=config.model.model or loaded.served_model_name,
         kv_cache_spec=kv_cache_spec, block_size=config.cache.block_size,
-        dp_rank=config.parallel.dp_rank, enable_kv_events=bool((config.kv_events_config or {}).get("enable_kv_cache_events")))
+        world_size=config.parallel.pipeline_parallel_size, rank=pp_rank,
+        dp_rank=config.parallel.dp_rank,
+        enable_kv_events=bool((config.kv_events_config or {}).get("enable_kv_cache_events")))
     return create_connector(transfer, role, context)
 
 

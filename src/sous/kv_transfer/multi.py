@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 class MultiKVConnectorMetadata(KVConnectorMetadata):
     children: list[KVConnectorMetadata] = field(default_factory=list)
 
+    def has_loads(self) -> bool:
+        return any(child.has_loads() for child in self.children)
+
 
 class MultiConnector(KVConnectorBase):
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole,

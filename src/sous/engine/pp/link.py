@@ -2,11 +2,15 @@
 
 The stages of one engine form a torch.distributed process group (gloo on CPU; NCCL when
 every stage has its own CUDA device), rank = stage. After its layers, a stage sends the
-next one a header `[num_tokens, hidden_size, has_residual, dtype]` and then the hidden states and the residual
-(`IntermediateTensors`), with non-blocking sends so it can start its next micro-batch at
-once; the next send waits for the previous one. A stage receives in the same order, so the
-k-th batch a stage runs is the k-th its predecessor sent: every stage runs every batch of
-the engine in the order the engine submitted them.
+next one a header `[num_tokens, hidden_size, has_residual, dtype]` and then the hidden
+states and the residual (`IntermediateTensors`), with non-blocking sends so it can start its
+next micro-batch at once; the next send waits for the previous one. A stage receives in the
+same order, so the k-th batch a stage runs is the k-th its predecessor sent: every stage
+runs every batch of the engine in the order the engine submitted them.
+
+With a KV connector, the stages agree on a step's failed loads (`agree_load_errors`, an
+all-gather) before its forward pass whenever the step loads KV; such a step waits for the
+stage behind, so its micro-batch does not overlap the one before.
 """
 
 from __future__ import annotations
@@ -87,6 +91,18 @@ class StageLink:
             dist.recv(residual, src)
         to = self.device
         return IntermediateTensors(h.to(to), None if residual is None else residual.to(to))
+
+    def agree_load_errors(self, errors: dict[str, int]) -> dict[str, int]:
+        """Every stage's KV load errors (request -> tokens whose KV is valid), merged: a
+        request any stage could not load sits the step out on every stage, so the stages
+        run the same batch. A collective: every stage calls it in the same step."""
+        gathered: list[dict[str, int] | None] = [None] * self.size
+        dist.all_gather_object(gathered, errors)
+        merged: dict[str, int] = {}
+        for stage_errors in gathered:
+            for rid, valid in (stage_errors or {}).items():
+                merged[rid] = min(valid, merged.get(rid, valid))
+        return merged
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -14,7 +14,9 @@ from the last valid token. `wait_for_save` copies the completed chunks out after
 pass; LMCache writes them to disk and Redis in its own thread.
 
 Both sides share one LMCache engine: the worker side builds it, the scheduler side finds it
-by name, so both must live in one process (the `uni` executor).
+by name, so both must live in one process (the `uni` executor). With pipeline stages every
+stage process builds an engine for its own layers and the scheduler side looks up through
+them (`stage_lookup`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ from sous.kv_transfer.offload.lmcache_fixes import (
     patch_redis_close,
     quiet_lmcache_logs,
 )
+from sous.kv_transfer.offload.stage_lookup import (
+    StageLookupClient,
+    StageLookupServer,
+    event_tuple,
+)
 
 if TYPE_CHECKING:
     from sous.engine.request import Request
@@ -77,6 +84,9 @@ class OffloadMetadata(KVConnectorMetadata):
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
 
+    def has_loads(self) -> bool:
+        return bool(self.loads)
+
 
 class LMCacheOffloadConnector(KVConnectorBase):
     """See the module docstring."""
@@ -87,17 +97,11 @@ class LMCacheOffloadConnector(KVConnectorBase):
         prepare_lmcache_environment()
         self.instance_id = f"sous-{config.engine_id or 'offload'}"
         self.engine: Any = None
+        self.stages: StageLookupClient | None = None
+        """Pipeline stages: the scheduler side's way to their engines."""
+        self.lookup_server: StageLookupServer | None = None
         if role is KVConnectorRole.SCHEDULER:
-            from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-            self.engine = LMCacheEngineBuilder.get(self.instance_id)
-            if self.engine is None:
-                raise ConfigError(f"--kv-transfer-config {config.kv_connector}: the offload "
-                                  "connector runs in the engine's process; drop "
-                                  "--distributed-executor-backend mp")
-            self.chunk_size = self.engine.config.chunk_size
-            self.save_unfull_chunk = bool(self.engine.config.save_unfull_chunk)
-            self.media = tier_media(self.engine.config)
+            self._find_engines(config, context)
         self._lookups: dict[str, tuple[int, int]] = {}
         """Waiting request -> (LMCache hit tokens, local prefix-cache hit tokens)."""
         self._saved: dict[str, int] = {}
@@ -109,11 +113,35 @@ class LMCacheOffloadConnector(KVConnectorBase):
         self.watch: RemoteWatch | None = None
 
     # ---- scheduler side ------------------------------------------------------------------
+    def _find_engines(self, config: KVTransferConfig, context: KVConnectorContext) -> None:
+        """The engine the worker side built in this process, or (pipeline stages) a client
+        of the stages' engines."""
+        if context.world_size > 1:
+            lmcache_config = load_lmcache_config()
+            self.stages = StageLookupClient(context.world_size)
+        else:
+            from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+            self.engine = LMCacheEngineBuilder.get(self.instance_id)
+            if self.engine is None:
+                raise ConfigError(f"--kv-transfer-config {config.kv_connector}: the offload "
+                                  "connector runs in the engine's process; drop "
+                                  "--distributed-executor-backend mp")
+            lmcache_config = self.engine.config
+        self.chunk_size = lmcache_config.chunk_size
+        self.save_unfull_chunk = bool(lmcache_config.save_unfull_chunk)
+        self.media = tier_media(lmcache_config)
+
+    def _lookup(self, token_ids: list[int], rid: str) -> int:
+        if self.stages is not None:
+            return self.stages.lookup(token_ids, rid)
+        return int(self.engine.lookup(tokens=token_ids, lookup_id=rid, pin=False))
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        hit = self._lookups[rid][0] if rid in self._lookups else int(self.engine.lookup(
-            tokens=list(request.all_token_ids), lookup_id=rid, pin=False))
+        hit = self._lookups[rid][0] if rid in self._lookups else self._lookup(
+            list(request.all_token_ids), rid)
         self._lookups[rid] = (hit, num_computed_tokens)
         return max(min(hit, request.num_tokens - 1) - num_computed_tokens, 0), False
 
@@ -169,10 +197,13 @@ class LMCacheOffloadConnector(KVConnectorBase):
         """LMCache's stored-chunk events as `BlockStored`, one per tier written (block size =
         chunk size; hashes as unsigned 64-bit, LMCache's are signed; LMCache 0.5.6 lists one
         token past the chunk, trimmed here)."""
-        return [["BlockStored", [_u64(h) for h in e.block_hashes],
-                 None if e.parent_block_hash is None else _u64(e.parent_block_hash),
-                 list(e.token_ids)[:e.block_size], e.block_size, e.lora_id, medium]
-                for e in self.engine.get_kv_events() for medium in self.media]
+        events = (self.stages.events() if self.stages is not None
+                  else [event_tuple(e) for e in self.engine.get_kv_events()])
+        return [["BlockStored", [_u64(h) for h in hashes],
+                 None if parent is None else _u64(parent), tokens[:block_size], block_size,
+                 lora_id, medium]
+                for hashes, parent, tokens, block_size, lora_id in events
+                for medium in self.media]
 
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_size: int) -> None:
@@ -206,6 +237,8 @@ class LMCacheOffloadConnector(KVConnectorBase):
         self.engine.post_init()
         if config.remote_url and config.remote_url.startswith(("redis://", "rediss://")):
             self.watch = RemoteWatch(config.remote_url)
+        if ctx.world_size > 1:  # a pipeline stage: the scheduler looks up through us
+            self.lookup_server = StageLookupServer(self.engine, ctx.rank)
         chunk_bytes = config.chunk_size * hidden * kv_size * len(kv_caches) \
             * kv_caches[0].element_size()
         logger.info("KV offload (LMCache %s, chunks of %d tokens = %.1f MiB): %s",
@@ -266,6 +299,10 @@ class LMCacheOffloadConnector(KVConnectorBase):
     def shutdown(self) -> None:
         if self.watch is not None:
             self.watch.close()
+        if self.stages is not None:
+            self.stages.close()
+        if self.lookup_server is not None:
+            self.lookup_server.close()
         if self.role is KVConnectorRole.WORKER and self.engine is not None:
             destroy_engine(self.instance_id)
             self.engine = None

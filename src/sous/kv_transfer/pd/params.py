@@ -84,3 +84,6 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     sends: dict[str, float] = field(default_factory=dict)
     """Finished prefill requests whose blocks wait for a reader -> lease deadline
     (`time.monotonic()`)."""
+
+    def has_loads(self) -> bool:
+        return bool(self.recvs)
