@@ -77,6 +77,17 @@ class UniProcExecutor:
         self.worker.shutdown()
 
 
+def thread_lock_for_progress_bars() -> None:
+    """Give tqdm a thread lock in this (child) process: its default lock holds a named
+    semaphore, which a child that exits without running its finalizers leaves behind (the
+    parent's resource tracker then warns of "leaked semaphore objects" at shutdown)."""
+    import threading
+
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
+
+
 def _worker_main(config: EngineConfig, address: str, worker_kwargs: dict[str, Any],
                  name: str, log_level: int | None) -> None:
     """The worker process: serve calls on `address` until `shutdown` (or the parent goes).
@@ -86,6 +97,7 @@ def _worker_main(config: EngineConfig, address: str, worker_kwargs: dict[str, An
         logging.basicConfig(level=log_level, force=True,
                             format=f"%(levelname)s %(asctime)s {name} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    thread_lock_for_progress_bars()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.connect(address)

@@ -33,6 +33,7 @@ from sous.config.errors import ConfigError
 from sous.engine.async_llm import AsyncLLM
 from sous.engine.dp import wire
 from sous.engine.dp.lockstep import StepSync, init_dp_group
+from sous.engine.executor import thread_lock_for_progress_bars
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def rank_main(config: EngineConfig, coordinator: str, reasoning_parser: str | No
     logging.basicConfig(level=logging.INFO, force=True,
                         format=f"%(levelname)s %(asctime)s DP{rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    thread_lock_for_progress_bars()
     try:
         code = run_rank(config, coordinator, reasoning_parser)
     except ConfigError as e:
