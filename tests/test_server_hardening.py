@@ -202,7 +202,7 @@ def test_dead_engine_fails_fast_with_503(engine: Any) -> None:
 
     core = EngineCore(engine.core.config, loaded=engine.core.loaded)
 
-    def broken() -> None:
+    def broken(*args: object) -> None:
         raise RuntimeError("injected scheduler fault")
 
     core.scheduler.schedule = broken

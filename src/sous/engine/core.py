@@ -431,6 +431,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+        if self.scheduler.connector is not None:  # its side only: the worker's is gone
+            self.scheduler.connector.shutdown()
         if self.step_sync is not None:
             self.step_sync.close()
         if self.publisher is not None:
