@@ -147,3 +147,33 @@ def test_side_channel_answers_both_request_forms() -> None:
             sock.close()
     finally:
         server.close()
+
+
+def test_pipeline_stages_answer_by_pp_rank_and_read_their_own_layers() -> None:
+    """A server of two stages answers `[get_meta_msg, pp_rank, tp_rank]` with that stage's
+    layout (its first layer, the model's layers); a whole reader accepts each stage and reads
+    only that stage's layers from it; a stage past the last is an error reply."""
+    from dataclasses import replace
+
+    whole = KVLayout.of("reader", caches(seed=None), BLOCK)
+    half = whole.num_layers // 2
+    stage0 = replace(KVLayout.of("e", caches(seed=None)[:half], BLOCK),
+                     model_layers=whole.num_layers)
+    stage1 = replace(KVLayout.of("e-pp1", caches(seed=None)[half:], BLOCK),
+                     first_layer=half, model_layers=whole.num_layers)
+    assert stage1.layers == range(half, whole.num_layers)
+    rows = whole.indices([3], stage1.layers)
+    assert rows.tolist() == [(layer * whole.kv_size + plane) * whole.num_blocks + 3
+                             for layer in stage1.layers for plane in range(whole.kv_size)]
+    port = free_port()
+    server = SideChannelServer("127.0.0.1", port, MODEL, stage0, b"a0",
+                               more_stages=[(stage1, b"a1")])
+    try:
+        got = [fetch_metadata("127.0.0.1", port, MODEL, whole, pp_rank=r) for r in (0, 1)]
+        assert [(lay.engine_id, lay.layers, meta) for lay, meta in got] == [
+            ("e", range(0, half), b"a0"), ("e-pp1", range(half, whole.num_layers), b"a1")]
+        assert fetch_metadata("127.0.0.1", port, MODEL, whole)[0].engine_id == "e"
+        with pytest.raises(ValueError, match="no pipeline stage 2 here"):
+            fetch_metadata("127.0.0.1", port, MODEL, whole, pp_rank=2)
+    finally:
+        server.close()

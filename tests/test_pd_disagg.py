@@ -188,6 +188,38 @@ def test_prefill_server_killed_between_legs(servers: tuple[str, str], tmp_path: 
     assert metric(d, "sous:kv_load_failures_total") == failures + 1
 
 
+def test_pipeline_stage_prefill_and_a_whole_decode_server(tmp_path: Path) -> None:
+    """A prefill server of two pipeline stages (each its own NIXL agent over its 15 layers;
+    stage 0 serves the side channel for both) and a decode server of one: the decode leg reads
+    each layer from the stage holding it, computes only the last prompt token and answers as
+    the prefill server does; both stages free their blocks on the reads, not the lease. A
+    decode leg sent to the staged server computes its prompt itself and releases the other
+    server's blocks."""
+    args = [*SMALL, "--kv-transfer-config", NIXL]
+    staged = [*args, "--pipeline-parallel-size", "2"]
+    with sous_serve(staged, tmp_path / "p.log", env=server_env(free_port())) as p, \
+            sous_serve(args, tmp_path / "d.log", env=server_env(free_port())) as d:
+        body = chat_body(story("a pipeline"), max_tokens=16)
+        want = httpx.post(p + "/v1/chat/completions", json=body, timeout=120).json()
+        params = prefill_leg(p, body)
+        assert params["pp_size"] == 2
+        got = httpx.post(d + "/v1/chat/completions", json={**body, "kv_transfer_params": params},
+                         timeout=120).json()
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+            want["usage"]["prompt_tokens"] - 1
+        assert wait_usage_zero(p, 5) < LEASE_S - 2
+
+        body = chat_body(story("a relay race"), max_tokens=16)
+        want = httpx.post(d + "/v1/chat/completions", json=body, timeout=120).json()
+        params = prefill_leg(d, body)
+        got = httpx.post(p + "/v1/chat/completions", json={**body, "kv_transfer_params": params},
+                         timeout=120).json()
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+        assert wait_usage_zero(d, 5) < LEASE_S - 2
+    assert "computes its prompt itself" in (tmp_path / "p.log").read_text()
+
+
 def test_mla_checkpoint_through_two_legs(tmp_path: Path) -> None:
     """DeepSeek-V3.2 (MLA latent and indexer keys in the cache) on a tiny random checkpoint."""
     from tiny_models import make_tiny_deepseek

@@ -72,8 +72,6 @@ def test_more_stages_than_layers_fails_before_any_process_starts() -> None:
 @pytest.mark.parametrize("argv,needle", [
     (["--data-parallel-size", "2"], "--pipeline-parallel-size 2 with data parallel flags"),
     (["--distributed-executor-backend", "uni"], "cannot use --distributed-executor-backend uni"),
-    (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
-     "pipeline stages with the P/D connector are planned"),
     (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
      "--pipeline-parallel-size 2 with --speculative-config method 'mtp' is not supported yet"),
     (["--speculative-config", '{"method": "eagle3", "model": "/x", '

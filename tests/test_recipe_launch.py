@@ -1,8 +1,8 @@
 """`sous recipe launch`: unsupported flags stop it (listed), --drop-unsupported says what it
 drops, ports are remapped consistently (data parallel ranks' offsets included), plans are
 scaled to the machine, the DP+EP strategy comes up for real with a tiny MoE stand-in and
-answers a chat request, so does the PP strategy, and every P/D selection comes up with its router and answers through
-it."""
+answers a chat request, so does the PP strategy, and every P/D selection (pipeline-parallel
+prefill ranks included) comes up with its router and answers through it."""
 
 from __future__ import annotations
 
@@ -40,22 +40,33 @@ def test_unsupported_flags_from_the_engine_table():
 
 
 def test_launch_stops_and_lists_unsupported_flags(capsys, tmp_path):
-    code = main(["launch", "minimax-m2.7", "--strategy", "prefill-decode-disaggregated",
-                 "--target", "Latency", "--log-dir", str(tmp_path)])
+    """Every flag of the shipped recipes runs; a recipe asking for what sous does not run
+    (here `--model-impl transformers`) starts nothing and lists it."""
+    from sous.recipes.catalog import catalog_dir
+
+    text = (catalog_dir() / "minimax-m2.7.json").read_text()
+    assert '"--model-impl vllm"' in text
+    recipe = tmp_path / "recipe" / "minimax-m2.7.json"
+    recipe.parent.mkdir()
+    recipe.write_text(text.replace('"--model-impl vllm"', '"--model-impl transformers"'))
+    logs = tmp_path / "logs"
+    code = main(["launch", str(recipe), "--strategy", "prefill-decode-disaggregated",
+                 "--target", "Latency", "--log-dir", str(logs)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "    --pipeline-parallel-size: pipeline stages with the P/D connector" in err
+    assert "    --model-impl: running transformers' modelling code is not wired in" in err
     for flag in ("--kv-cache-dtype", "--tool-call-parser", "--reasoning-parser",
-                 "--enable-auto-tool-choice", "--data-parallel-size", "--data-parallel-rank"):
+                 "--enable-auto-tool-choice", "--data-parallel-size", "--data-parallel-rank",
+                 "--pipeline-parallel-size"):
         assert f"    {flag}: " not in err
     assert "Nothing was started" in err and "--drop-unsupported" in err
-    assert list(tmp_path.iterdir()) == []
+    assert not logs.exists() or list(logs.iterdir()) == []
 
 
 def test_pd_launch_remaps_ports_consistently(tmp_path):
     plan = compose(RECIPE.recipe, "prefill-decode-disaggregated", "Latency", variables=LOCAL)
     ports = _ports()
-    specs, blocking = build_launch(plan, None, tmp_path, ports, drop_unsupported=True)
+    specs, blocking = build_launch(plan, None, tmp_path, ports, drop_unsupported=False)
     assert blocking == {}
     assert [s.label for s in specs] == ["prefill rank 0", *(f"decode rank {i}" for i in range(4)),
                                         "router"]
@@ -188,12 +199,12 @@ def _pd_selections() -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("name, strategy, target", _pd_selections())
 def test_pd_launch_runs_the_router_and_answers_a_tool_chat(name: str, strategy: str,
                                                            target: str, tmp_path: Path):
-    """The whole P/D topology (prefill and decode ranks, then `sous route` with the recipe's
-    router-values.yaml) comes up, answers a chat with tools through the router, and stops
-    cleanly on Ctrl-C."""
+    """The whole P/D topology (prefill ranks of pipeline stages and decode ranks, then
+    `sous route` with the recipe's router-values.yaml) comes up with every flag of the recipe,
+    answers a chat with tools through the router, and stops cleanly on Ctrl-C."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "sous.cli", "recipe", "launch", name, "--strategy", strategy,
-         "--target", target, "--drop-unsupported", "--no-probe", "--log-dir", str(tmp_path)],
+         "--target", target, "--no-probe", "--log-dir", str(tmp_path)],
         stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:

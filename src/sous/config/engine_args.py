@@ -165,14 +165,6 @@ def _speculative_problem(value: dict[str, Any] | None) -> str | None:
     return None
 
 
-def _pd_connector(value: dict[str, Any] | None) -> bool:
-    """A `--kv-transfer-config` naming a connector other than the offload ones (P/D)."""
-    from sous.kv_transfer.factory import OFFLOAD_CONNECTORS, connector_names
-
-    return bool(value) and not set(connector_names(value)) <= OFFLOAD_CONNECTORS | {
-        "MultiConnector"}
-
-
 def _spec_method(value: dict[str, Any] | None) -> str | None:
     """The method of a `--speculative-config` (None: none, or one its own check reports)."""
     from sous.engine.spec_decode.config import resolve_speculative_config
@@ -225,10 +217,6 @@ class NotYet(NamedTuple):
 NOT_SUPPORTED_YET: tuple[NotYet, ...] = (
     NotYet("tensor_parallel_size", lambda v: v > 1, "--tensor-parallel-size",
            "sous runs one engine process on one device", "> 1"),
-    NotYet("pipeline_parallel_size", lambda v: v > 1, "--pipeline-parallel-size",
-           "pipeline stages with the P/D connector are planned: each stage would send its own "
-           "layers' KV (LMCache offload works)", "> 1 with a P/D --kv-transfer-config",
-           context=lambda v: _pd_connector(v.get("kv_transfer_config"))),
     NotYet("enable_chunked_prefill", lambda v: not v, "--no-enable-chunked-prefill",
            "the scheduler always chunks prefills"),
     NotYet("model_impl", lambda v: v == "transformers", "--model-impl",

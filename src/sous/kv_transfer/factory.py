@@ -16,9 +16,6 @@ if TYPE_CHECKING:
 
 _OFFLOAD = "sous.kv_transfer.offload.connector:LMCacheOffloadConnector"
 _NIXL = "sous.kv_transfer.pd.connector:NixlConnector"
-OFFLOAD_CONNECTORS = frozenset({"LMCacheConnectorV1", "RBLNLMCacheConnectorV1"})
-"""The names of the offload connector (the only one that runs with pipeline stages)."""
-
 REGISTRY: dict[str, str] = {
     "LMCacheConnectorV1": _OFFLOAD,
     "RBLNLMCacheConnectorV1": _OFFLOAD,

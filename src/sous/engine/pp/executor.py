@@ -48,6 +48,7 @@ class PipelineExecutor:
         self._submitted = self._waited = 0
         self._sampled: dict[str, list[int]] = {}
         """Tokens sampled since the last submit (the earlier stages append them)."""
+        self._transfers = StageTransfers(size)
         self._stages: list[WorkerProc] = []
         try:
             for rank in range(size):
@@ -95,6 +96,10 @@ class PipelineExecutor:
         self._waited += 1
         replies = [stage.recv("execute_model", self._stages) for stage in self._stages]
         out: ModelRunnerOutput = replies[-1]  # type: ignore[assignment]
+        out.finished_sending, out.finished_recving = self._transfers.update(replies)
+        for reply in replies[:-1]:  # stages agree on failed loads; keep any stage's anyway
+            for rid, valid in reply.kv_load_errors.items():
+                out.kv_load_errors[rid] = min(valid, out.kv_load_errors.get(rid, valid))
         for rid, tokens in out.sampled_token_ids.items():
             self._sampled.setdefault(rid, []).extend(tokens)
         return out
@@ -108,3 +113,28 @@ class PipelineExecutor:
         clean = self._submitted == self._waited and all(s.alive for s in stages)
         for stage in stages:
             stage.shutdown(wait_s=5.0 if clean else 0.0)
+
+
+class StageTransfers:
+    """KV transfers of a request finish once every stage has finished its part (each moves
+    its own layers, and says so in its own step): the sets the engine sees."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self._sending: dict[str, int] = {}
+        self._recving: dict[str, int] = {}
+
+    def update(self, replies: list[ModelRunnerOutput]) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving) on every stage by these replies."""
+        return (self._count(self._sending, [r.finished_sending for r in replies]),
+                self._count(self._recving, [r.finished_recving for r in replies]))
+
+    def _count(self, seen: dict[str, int], finished: list[set[str]]) -> set[str]:
+        done = set()
+        for stage_finished in finished:
+            for rid in stage_finished or ():
+                seen[rid] = seen.get(rid, 0) + 1
+                if seen[rid] == self.num_stages:
+                    del seen[rid]
+                    done.add(rid)
+        return done

@@ -57,9 +57,10 @@ class NixlConnector(KVConnectorBase):
         self.worker: PDWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
             self.scheduler = PDScheduler(config.engine_id, context.block_size, host, port,
-                                         lease_s)
+                                         lease_s, pp_size=context.world_size)
         else:
-            self.worker = PDWorker(config.engine_id, context.model_name, host, port)
+            self.worker = PDWorker(config.engine_id, context.model_name, host, port,
+                                   pp_rank=context.rank, pp_size=context.world_size)
 
     # ---- scheduler side ------------------------------------------------------------------
     def _sched(self) -> PDScheduler:

@@ -45,9 +45,23 @@ class KVLayout:
     dtype: str
     base_addrs: tuple[int, ...]
     """Per layer: the address of its cache tensor."""
+    first_layer: int = 0
+    """The model's decoder layer this cache's layer 0 holds (a pipeline stage's first)."""
+    model_layers: int = 0
+    """The model's decoder layers (0: `num_layers`, the whole model is here)."""
+
+    @property
+    def layers(self) -> range:
+        """The model's decoder layers this cache holds."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def total_layers(self) -> int:
+        return self.model_layers or self.num_layers
 
     @classmethod
-    def of(cls, engine_id: str, kv_caches: list[torch.Tensor], block_size: int) -> KVLayout:
+    def of(cls, engine_id: str, kv_caches: list[torch.Tensor], block_size: int,
+           first_layer: int = 0, model_layers: int = 0) -> KVLayout:
         first = kv_caches[0]
         kv_size, num_slots = cache_planes(first)
         num_blocks = num_slots // block_size
@@ -57,7 +71,7 @@ class KVLayout:
         block_bytes = first.numel() * first.element_size() // (kv_size * num_blocks)
         return cls(engine_id, len(kv_caches), kv_size, num_blocks, block_size, block_bytes,
                    str(first.dtype).removeprefix("torch."),
-                   tuple(c.data_ptr() for c in kv_caches))
+                   tuple(c.data_ptr() for c in kv_caches), first_layer, model_layers)
 
     @property
     def bytes_per_block(self) -> int:
@@ -75,13 +89,19 @@ class KVLayout:
         out[:, 0], out[:, 1], out[:, 2] = addrs, self.block_bytes, 0
         return out
 
-    def indices(self, block_ids: list[int]) -> np.ndarray:
-        """Descriptor rows of `block_ids` in every layer and plane (layer-major)."""
-        rows = np.arange(self.num_layers * self.kv_size, dtype=np.int64)[:, None]
+    def indices(self, block_ids: list[int], layers: range | None = None) -> np.ndarray:
+        """Descriptor rows of `block_ids` in every plane of `layers` (model layer numbers;
+        default: all held here), layer-major."""
+        layers = self.layers if layers is None else layers
+        first = layers.start - self.first_layer
+        rows = np.arange(first * self.kv_size, (first + len(layers)) * self.kv_size,
+                         dtype=np.int64)[:, None]
         return (rows * self.num_blocks + np.asarray(block_ids, dtype=np.int64)).reshape(-1)
 
     def check_compatible(self, remote: KVLayout) -> None:
-        for name in ("num_layers", "kv_size", "block_size", "block_bytes", "dtype"):
+        """ValueError naming the field unless `remote` (a whole model's cache or a pipeline
+        stage's) can be read into this whole cache."""
+        for name in ("total_layers", "kv_size", "block_size", "block_bytes", "dtype"):
             mine, theirs = getattr(self, name), getattr(remote, name)
             if mine != theirs:
                 raise ValueError(f"KV layout mismatch with engine {remote.engine_id}: {name} "
@@ -172,13 +192,19 @@ class NixlTransport:
 
     def start_read(self, remote_engine_id: str, remote_block_ids: list[int],
                    local_block_ids: list[int], notif: bytes = b"") -> Any:
-        """Start reading the remote blocks into ours (pairwise); returns a handle for `done`."""
+        """Start reading the remote blocks into ours (pairwise), in every layer the remote
+        engine holds (a pipeline stage: its layers); returns a handle for `done`."""
         if len(remote_block_ids) != len(local_block_ids):
             raise ValueError(f"{len(remote_block_ids)} remote blocks for "
                              f"{len(local_block_ids)} local ones")
         _, dlist, layout = self._remotes[remote_engine_id]
+        mine = self.layout.layers
+        if layout.layers.start < mine.start or layout.layers.stop > mine.stop:
+            raise ValueError(f"engine {remote_engine_id} holds layers {layout.layers.start}-"
+                             f"{layout.layers.stop - 1}; this cache only "
+                             f"{mine.start}-{mine.stop - 1}")
         handle = self.agent.make_prepped_xfer(
-            "READ", self._local, self.layout.indices(local_block_ids), dlist,
+            "READ", self._local, self.layout.indices(local_block_ids, layout.layers), dlist,
             layout.indices(remote_block_ids), notif_msg=notif)
         if self.agent.transfer(handle) == "ERR":
             self.agent.release_xfer_handle(handle)

@@ -3,8 +3,9 @@ worker side each step.
 
 Prefill leg (the request carries `do_remote_decode: true`): the answer carries
 `do_remote_prefill: true, do_remote_decode: false, remote_block_ids, remote_engine_id,
-remote_request_id, remote_host, remote_port, tp_size, remote_num_tokens`. Decode leg: a
-request carrying those reads the prompt's KV from `remote_block_ids` instead of computing it.
+remote_request_id, remote_host, remote_port, tp_size, pp_size, remote_num_tokens`. Decode
+leg: a request carrying those reads the prompt's KV from `remote_block_ids` instead of
+computing it (from every one of `pp_size` prefill stages, each holding some layers).
 `remote_block_ids` is a list per KV cache group (vLLM's current form, `[[ids]]`); a flat
 list (its earlier form) is read too. sous' prefill answers also carry
 `remote_blocks_expiry_time` (wall clock): a decode leg that would read after it recomputes
@@ -36,6 +37,8 @@ class RemotePrefill:
     expiry_time: float | None = None
     """`remote_blocks_expiry_time` (wall clock, `time.time()`): when the prefill frees its
     blocks unread."""
+    pp_size: int = 1
+    """`pp_size`: the prefill's pipeline stages, each holding some layers' KV."""
 
 def remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
     """The remote prefill a request's params name, or None (not a decode leg, or invalid)."""
@@ -48,10 +51,13 @@ def remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
         ids = ids[0]  # one KV cache group
     try:
         expiry = params.get("remote_blocks_expiry_time")
+        pp_size = int(params.get("pp_size") or 1)
+        if pp_size < 1:
+            return None
         return RemotePrefill(str(params["remote_engine_id"]), str(params["remote_request_id"]),
                              str(params["remote_host"]), int(params["remote_port"]),
                              tuple(int(i) for i in ids),
-                             None if expiry is None else float(expiry))
+                             None if expiry is None else float(expiry), pp_size)
     except (TypeError, ValueError):
         return None
 

@@ -58,8 +58,10 @@ class PDScheduler:
     its side channel, which prefill answers point readers to."""
 
     def __init__(self, engine_id: str, block_size: int, host: str, port: int,
-                 lease_s: float) -> None:
+                 lease_s: float, pp_size: int = 1) -> None:
         self.engine_id = engine_id
+        self.pp_size = pp_size
+        """This engine's pipeline stages: prefill answers say so; decode legs recompute."""
         self.block_size = block_size
         self.host, self.port = host, port
         self.lease_s = lease_s
@@ -68,12 +70,21 @@ class PDScheduler:
         self.inflight: set[str] = set()
         """Requests whose read the worker has (or will get next step) and has not finished."""
         self._warned_invalid = False
+        self._warned_stages = False
 
     # ---- decode leg --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         if remote_prefill(request.kv_transfer_params) is None:
             self._warn_if_invalid(request)
+            return 0, False
+        if self.pp_size > 1:  # each stage would read its own layers: not built yet
+            if not self._warned_stages:
+                self._warned_stages = True
+                logger.warning("A decode leg on a server of %d pipeline stages computes its "
+                               "prompt itself (reading KV into pipeline stages is not "
+                               "supported yet); the prefill's blocks are released.",
+                               self.pp_size)
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -143,5 +154,6 @@ class PDScheduler:
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [list(block_ids)], "remote_engine_id": self.engine_id,
             "remote_request_id": rid, "remote_host": self.host, "remote_port": self.port,
-            "tp_size": 1, "remote_num_tokens": request.num_computed_tokens,
+            "tp_size": 1, "pp_size": self.pp_size,
+            "remote_num_tokens": request.num_computed_tokens,
         }

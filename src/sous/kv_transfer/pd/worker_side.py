@@ -12,6 +12,12 @@ whose read failed is forgotten (a restarted server is handshaken again).
 Leases (prefill side): the blocks of a finished prefill are released when its reader's
 notification arrives (it may arrive before the lease: kept until then) or when the lease
 ends (logged).
+
+Pipeline stages (`--pipeline-parallel-size N`): every stage registers its own layers' cache
+with its own agent (`<engine_id>-pp<rank>` beyond stage 0); the stages exchange their
+layouts over their process group and stage 0 serves the side channel for all of them. A
+reader of such an engine (its params carry `pp_size`) handshakes with every stage and reads
+each stage's layers from that stage; each stage frees its blocks on its own notification.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,18 +48,22 @@ EARLY_NOTIF_TTL_S = 60.0
 class PDWorker:
     """See the module docstring. `model` goes into the side channel's compatibility hash."""
 
-    def __init__(self, engine_id: str, model: str, host: str, port: int) -> None:
+    def __init__(self, engine_id: str, model: str, host: str, port: int, pp_rank: int = 0,
+                 pp_size: int = 1) -> None:
         self.engine_id = engine_id
         self.model = model
         self.host, self.port = host, port
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self._remote_stages: dict[str, list[str]] = {}
+        """Remote engine -> the agents of its stages (one for an engine without stages)."""
         self.transport: NixlTransport | None = None
         self.server: SideChannelServer | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sous-nixl-handshake")
-        self._handshakes: dict[str, Future[tuple[KVLayout, bytes]]] = {}
+        self._handshakes: dict[str, Future[list[tuple[KVLayout, bytes]]]] = {}
         self._waiting: list[RecvSpec] = []
         """Reads waiting for their remote engine's handshake."""
-        self._reads: dict[str, tuple[Any, float, float]] = {}
-        """Request -> (NIXL handle, start time, deadline)."""
+        self._reads: dict[str, tuple[list[Any], float, float]] = {}
+        """Request -> (NIXL handles not done yet, one per remote stage; start; deadline)."""
         self._stats: dict[str, float] = {}
         self._specs: dict[str, RecvSpec] = {}
         self._done_recving: set[str] = set()
@@ -64,10 +75,17 @@ class PDWorker:
         came (forgotten after EARLY_NOTIF_TTL_S: a read of blocks whose lease had ended)."""
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_size: int) -> None:
-        self.transport = NixlTransport(self.engine_id, kv_caches, block_size)
+        name = self.engine_id if self.pp_rank == 0 else f"{self.engine_id}-pp{self.pp_rank}"
+        self.transport = NixlTransport(name, kv_caches, block_size)
+        stages = [(self.transport.layout, self.transport.metadata())]
+        if self.pp_size > 1:
+            stages = _exchange_stage_layouts(stages[0])
+            self.transport.layout = stages[self.pp_rank][0]
+            if self.pp_rank > 0:
+                return
         try:
-            self.server = SideChannelServer(self.host, self.port, self.model,
-                                            self.transport.layout, self.transport.metadata())
+            self.server = SideChannelServer(self.host, self.port, self.model, *stages[0],
+                                            more_stages=stages[1:])
         except zmq.ZMQError as e:
             self.transport.close()
             raise ConfigError(
@@ -98,12 +116,12 @@ class PDWorker:
                 self._fail(spec, spec.fail_reason, forget=False)
                 continue
             engine = spec.remote.engine_id
-            if not transport.has_remote(engine):
+            if engine not in self._remote_stages:
                 future = self._handshakes.get(engine)
                 if future is None:
                     self._handshakes[engine] = self._pool.submit(
-                        fetch_metadata, spec.remote.host, spec.remote.port, self.model,
-                        transport.layout, 0, HANDSHAKE_TIMEOUT_S)
+                        self._fetch_stages, spec.remote.host, spec.remote.port,
+                        spec.remote.pp_size)
                     still.append(spec)
                     continue
                 if not future.done():
@@ -111,8 +129,9 @@ class PDWorker:
                     continue
                 del self._handshakes[engine]
                 try:
-                    layout, agent_metadata = future.result()
-                    transport.add_remote(agent_metadata, layout)
+                    for layout, agent_metadata in future.result():
+                        transport.add_remote(agent_metadata, layout)
+                    self._remote_stages[engine] = [lay.engine_id for lay, _ in future.result()]
                 except Exception as e:
                     self._fail(spec, f"handshake with tcp://{spec.remote.host}:"
                                      f"{spec.remote.port} failed: {e}")
@@ -120,27 +139,51 @@ class PDWorker:
             self._start(spec)
         self._waiting = still
 
+    def _fetch_stages(self, host: str, port: int, pp_size: int) -> list[tuple[KVLayout, bytes]]:
+        """Every stage's layout and agent metadata (handshake thread); ValueError unless the
+        stages' layers make up the whole model, in order."""
+        assert self.transport is not None
+        local = self.transport.layout
+        if pp_size == 1:
+            return [fetch_metadata(host, port, self.model, local, None, HANDSHAKE_TIMEOUT_S)]
+        stages = [fetch_metadata(host, port, self.model, local, r, HANDSHAKE_TIMEOUT_S)
+                  for r in range(pp_size)]
+        ranges = [layout.layers for layout, _ in stages]
+        if [r.start for r in ranges] != [0, *(r.stop for r in ranges[:-1])] or \
+                ranges[-1].stop != local.total_layers:
+            raise ValueError(f"the prefill's {pp_size} stages hold layers "
+                             f"{[(r.start, r.stop - 1) for r in ranges]}, not all "
+                             f"{local.total_layers} in order")
+        return stages
+
     def _start(self, spec: RecvSpec) -> None:
         transport = self.transport
         assert transport is not None
+        stages = self._remote_stages[spec.remote.engine_id]
+        handles: list[Any] = []
         try:
             if not spec.local_block_ids:
-                transport.notify(spec.remote.engine_id, spec.notif)
+                for stage in stages:
+                    transport.notify(stage, spec.notif)
                 self._specs.pop(spec.req_id, None)
                 return
             start = time.monotonic()
-            handle = transport.start_read(spec.remote.engine_id, spec.remote_block_ids,
-                                          spec.local_block_ids, spec.notif)
+            for stage in stages:
+                handles.append(transport.start_read(stage, spec.remote_block_ids,
+                                                    spec.local_block_ids, spec.notif))
         except Exception as e:
+            for handle in handles:
+                transport.abandon(handle)
             self._fail(spec, f"read from engine {spec.remote.engine_id} failed to start: {e}")
             return
-        self._reads[spec.req_id] = (handle, start, start + READ_TIMEOUT_S)
+        self._reads[spec.req_id] = (handles, start, start + READ_TIMEOUT_S)
 
     def _fail(self, spec: RecvSpec, why: str, forget: bool = True) -> None:
         logger.warning("KV transfer for request %s: %s; recomputing its prompt locally",
                        spec.req_id, why)
         if forget and self.transport is not None:
-            self.transport.forget_remote(spec.remote.engine_id)
+            for stage in self._remote_stages.pop(spec.remote.engine_id, []):
+                self.transport.forget_remote(stage)
         self._specs.pop(spec.req_id, None)
         if spec.local_block_ids:
             self._errors[spec.req_id] = spec.num_valid_on_failure
@@ -150,15 +193,23 @@ class PDWorker:
         transport = self.transport
         assert transport is not None
         now = time.monotonic()
-        for rid, (handle, start, deadline) in list(self._reads.items()):
+        for rid, (handles, start, deadline) in list(self._reads.items()):
             spec = self._specs[rid]
-            try:
-                done = transport.done(handle)
-            except Exception as e:
+            pending, failure = [], None
+            for handle in handles:
+                try:
+                    if not transport.done(handle):
+                        pending.append(handle)
+                except Exception as e:  # this stage's read failed (its handle is released)
+                    failure = e
+            handles[:] = pending
+            if failure is not None:
                 del self._reads[rid]
-                self._fail(spec, str(e))
+                for handle in pending:
+                    transport.abandon(handle)
+                self._fail(spec, str(failure))
                 continue
-            if done:
+            if not handles:
                 del self._reads[rid]
                 self._specs.pop(rid, None)
                 self._done_recving.add(rid)
@@ -166,7 +217,8 @@ class PDWorker:
                             now - start)
             elif now > deadline:
                 del self._reads[rid]
-                transport.abandon(handle)
+                for handle in handles:
+                    transport.abandon(handle)
                 self._fail(spec, f"read not done in {READ_TIMEOUT_S:g} s")
 
     # ---- leases ------------------------------------------------------------------------
@@ -218,3 +270,19 @@ class PDWorker:
             self.server.close()
         if self.transport is not None:
             self.transport.close()
+
+
+def _exchange_stage_layouts(mine: tuple[KVLayout, bytes]) -> list[tuple[KVLayout, bytes]]:
+    """Every pipeline stage's (layout, agent metadata), each layout numbered in the model's
+    layers (`first_layer`, `model_layers`): an all-gather over the stages' process group
+    (torch.distributed's default group in a stage process)."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    total = sum(layout.num_layers for layout, _ in gathered)
+    out, first = [], 0
+    for layout, metadata in gathered:
+        out.append((replace(layout, first_layer=first, model_layers=total), metadata))
+        first += layout.num_layers
+    return out
