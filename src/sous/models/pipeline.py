@@ -32,8 +32,23 @@ logger = logging.getLogger(__name__)
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 
 
+class StagePosition:
+    """Where stage `rank` of `size` sits in the pipeline."""
+
+    rank: int
+    size: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+
 @dataclass(frozen=True)
-class PPStage:
+class PPStage(StagePosition):
     """Stage `rank` of `size`: decoder layers `start_layer` to `end_layer` (exclusive)."""
 
     rank: int
@@ -44,14 +59,6 @@ class PPStage:
     @classmethod
     def whole(cls, num_layers: int) -> PPStage:
         return cls(0, 1, 0, num_layers)
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
 
     @property
     def num_layers(self) -> int:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sous.engine.dp.lockstep import init_dp_group
-from sous.models.pipeline import IntermediateTensors
+from sous.models.pipeline import IntermediateTensors, StagePosition
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def group_backend(device: torch.device, size: int) -> str:
     return "gloo"
 
 
-class StageLink:
+class StageLink(StagePosition):
     """Point-to-point sends between consecutive stages (module docstring). Owns the process
     group of this process; `close()` leaves it."""
 
@@ -48,14 +48,6 @@ class StageLink:
         """Where the tensors travel from (gloo sends host memory)."""
         init_dp_group(host, port, rank, size, label="Pipeline parallel", backend=backend)
         self._sending: list[tuple[Any, torch.Tensor]] = []
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
 
     def send(self, tensors: IntermediateTensors) -> None:
         """Hand `tensors` to the next stage; returns once the previous send has completed."""
