@@ -129,9 +129,10 @@ class PDWorker:
                     continue
                 del self._handshakes[engine]
                 try:
-                    for layout, agent_metadata in future.result():
+                    stages = future.result()
+                    self._remote_stages[engine] = [lay.engine_id for lay, _ in stages]
+                    for layout, agent_metadata in stages:  # a failure forgets those added
                         transport.add_remote(agent_metadata, layout)
-                    self._remote_stages[engine] = [lay.engine_id for lay, _ in future.result()]
                 except Exception as e:
                     self._fail(spec, f"handshake with tcp://{spec.remote.host}:"
                                      f"{spec.remote.port} failed: {e}")
