@@ -342,8 +342,7 @@ class DPAsyncLLM:
             try:
                 self._router.send_multipart([wire.identity(target), frame])
             except zmq.ZMQError as e:  # EHOSTUNREACH: the rank is gone
-                raise EngineDeadError(f"data parallel rank {target} is unreachable ({e})"
-                                      ) from None
+                raise self._unreachable(target, e) from None
 
     def _receive(self) -> None:
         now = time.monotonic()
@@ -378,8 +377,20 @@ class DPAsyncLLM:
             try:
                 self._router.send_multipart([wire.identity(rank), wire.dumps(("ping",))])
             except zmq.ZMQError as e:
-                raise EngineDeadError(f"data parallel rank {rank} is unreachable ({e})"
-                                      ) from None
+                raise self._unreachable(rank, e) from None
+
+    def _unreachable(self, rank: int, error: zmq.ZMQError,
+                     grace_s: float = 1.0) -> EngineDeadError:
+        """The error for a rank ZMQ cannot reach: its exit code when it is a process of this
+        node that exits within `grace_s` (its socket closes before it can be reaped)."""
+        proc = self._procs.get(rank)
+        deadline = time.monotonic() + grace_s
+        while proc is not None and time.monotonic() < deadline:
+            if not proc.is_alive():
+                return EngineDeadError(f"data parallel rank {rank} exited with code "
+                                       f"{proc.exitcode}")
+            time.sleep(0.02)
+        return EngineDeadError(f"data parallel rank {rank} is unreachable ({error})")
 
     def _lost_rank(self) -> str | None:
         """Why a rank is lost (its process exited, or it has been silent), or None."""
