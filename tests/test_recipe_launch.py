@@ -124,6 +124,22 @@ def test_scaled_to_this_machine_keeps_ranks_below_the_cap_and_says_so():
     assert default_max_ranks(2) == 2 and default_max_ranks(64) == 32
 
 
+def test_lmcache_cpu_pool_capped_at_the_kv_share(tmp_path):
+    """The recipe's 10 GB LMCache CPU pool, filled in every engine worker (the P/D prefill's
+    pipeline stages each have one), is capped at the machine's KV cache share, and says so."""
+    plan = compose(RECIPE.recipe, "prefill-decode-disaggregated", "Latency",
+                   sets={"lmcache": "cpu"}, variables=LOCAL)
+    specs, blocking = build_launch(plan, None, tmp_path, _ports(), drop_unsupported=False,
+                                   kv_share_gib=1.5)
+    assert blocking == {}
+    prefill = specs[0]
+    assert prefill.env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "1.5"
+    assert any(n.startswith("LMCACHE_MAX_LOCAL_CPU_SIZE=10.0 -> 1.5") for n in prefill.notes)
+    big = build_launch(plan, None, tmp_path, _ports(), drop_unsupported=False,
+                       kv_share_gib=16)[0][0]
+    assert big.env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "10.0"
+
+
 def test_remapped_ports_inside_json_values(tmp_path):
     plan = compose(RECIPE.recipe, "prefill-decode-disaggregated", "Latency", variables=LOCAL)
     ports = _ports()

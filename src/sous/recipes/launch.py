@@ -243,6 +243,21 @@ def _kv_budget_env(process: Process, envs: list[EnvVar], share_gib: float
                  "available memory, shared by the engine workers, at most 4)"]
 
 
+def _lmcache_cpu_cap(env: dict[str, str], share_gib: float) -> list[str]:
+    """Cap the recipe's LMCACHE_MAX_LOCAL_CPU_SIZE (LMCache fills a pool that large in every
+    engine worker: each pipeline stage has its own) at `share_gib` in `env`; the note."""
+    raw = env.get("LMCACHE_MAX_LOCAL_CPU_SIZE")
+    try:
+        size = float(raw) if raw is not None else None
+    except ValueError:
+        return []  # the server reports it, naming the variable
+    if size is None or size <= share_gib:
+        return []
+    env["LMCACHE_MAX_LOCAL_CPU_SIZE"] = f"{share_gib:g}"
+    return [f"LMCACHE_MAX_LOCAL_CPU_SIZE={raw} -> {share_gib:g} (LMCache's CPU pool, filled "
+            "in each engine worker: capped at this machine's KV cache share)"]
+
+
 def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap,
                  drop_unsupported: bool, stand_in_len: int | None = None,
                  kv_share_gib: float | None = None,
@@ -270,6 +285,7 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
             args = [a for a in args if a.flag not in bad_flags]
         env, kv_notes = _kv_budget_env(
             process, [_remap_env(e, ports, dp_rank) for e in process.envs], kv_share_gib)
+        kv_notes += _lmcache_cpu_cap(env, kv_share_gib)
         port = int(next(a.words[1] for a in args if a.flag == "--port"))
         name = process.role if process.rank is None else f"{process.role}-rank-{process.rank}"
         words = [w for a in args for w in a.words]
