@@ -215,12 +215,13 @@ def _pd_selections() -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("name, strategy, target", _pd_selections())
 def test_pd_launch_runs_the_router_and_answers_a_tool_chat(name: str, strategy: str,
                                                            target: str, tmp_path: Path):
-    """The whole P/D topology (prefill ranks of pipeline stages and decode ranks, then
-    `sous route` with the recipe's router-values.yaml) comes up with every flag of the recipe,
-    answers a chat with tools through the router, and stops cleanly on Ctrl-C."""
+    """The whole P/D topology (prefill ranks of pipeline stages with LMCache's CPU tier beside
+    NIXL, decode ranks, then `sous route` with the recipe's router-values.yaml) comes up with
+    every flag of the recipe, answers a chat with tools through the router, and stops cleanly
+    on Ctrl-C."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "sous.cli", "recipe", "launch", name, "--strategy", strategy,
-         "--target", target, "--no-probe", "--log-dir", str(tmp_path)],
+         "--target", target, "--set", "lmcache=cpu", "--no-probe", "--log-dir", str(tmp_path)],
         stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:
@@ -245,6 +246,8 @@ def test_pd_launch_runs_the_router_and_answers_a_tool_chat(name: str, strategy: 
         assert message.content or message.tool_calls or getattr(message, "reasoning", None)
         routed = (tmp_path / "router-values.yaml").read_text()
         assert "prefix-based-pd-decider" in routed  # the recipe's file, as written
+        prefill = (tmp_path / "prefill-rank-0.log").read_text()
+        assert prefill.count("KV offload (LMCache RBLNLMCacheConnectorV1") == 2  # per stage
     finally:
         proc.send_signal(signal.SIGINT)
         _, rest = proc.communicate(timeout=120)
