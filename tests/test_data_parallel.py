@@ -119,28 +119,36 @@ def test_each_rank_publishes_its_kv_events_on_port_plus_rank(two_nodes):
         sub.close(linger=0)
 
 
-def test_killed_rank_fails_clients_and_the_server_exits_non_zero(tmp_path: Path):
+def kill_child_mid_stream(args: list[str], log: Path, victim: int) -> int:
+    """Serve `args` (an API server with two engine child processes), start a long greedy
+    stream, `kill -9` child `victim` (pgrep order); the stream must fail and the server exit
+    within 30 s. Returns its exit status."""
     procs: dict[str, subprocess.Popen] = {}
-    with sous_serve([*ARGS, "--data-parallel-size", "2"], tmp_path / "dp.log", env=ENV,
-                    procs=procs) as url:
+    with sous_serve(args, log, env=ENV, procs=procs) as url:
         server = procs[url]
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         assert chat(client, PROMPTS[0], 4)[0]
-        ranks = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "spawn_main"],
-                               capture_output=True, text=True).stdout.split()
-        assert len(ranks) == 2, ranks
+        children = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "spawn_main"],
+                                  capture_output=True, text=True).stdout.split()
+        assert len(children) == 2, children
         stream = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
             max_tokens=400, temperature=0, stream=True)
         next(iter(stream))
-        # The stream runs on rank 0 (the first pick on a tie); rank 1's death must fail it.
-        subprocess.run(["kill", "-9", ranks[-1]], check=True)
+        subprocess.run(["kill", "-9", children[victim]], check=True)
         start = time.monotonic()
         with pytest.raises((openai.APIError, httpx.HTTPError)):
             for _ in stream:
                 pass
-        assert server.wait(timeout=30) != 0
+        code = server.wait(timeout=30)
         assert time.monotonic() - start < 30
+    return code
+
+
+def test_killed_rank_fails_clients_and_the_server_exits_non_zero(tmp_path: Path):
+    # The stream runs on rank 0 (the first pick on a tie); rank 1's death must fail it.
+    assert kill_child_mid_stream([*ARGS, "--data-parallel-size", "2"], tmp_path / "dp.log",
+                                 victim=-1) != 0
     assert "exited with code -9" in (tmp_path / "dp.log").read_text()
 
 

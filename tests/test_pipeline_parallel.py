@@ -9,13 +9,10 @@ unsupported combinations are refused naming the flag."""
 from __future__ import annotations
 
 import re
-import subprocess
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
@@ -24,7 +21,7 @@ from serve_process import serve_flag_error, sous_serve
 from sous.config.errors import ConfigError
 from sous.engine.cpu_threads import CpuThreadsEnv, resolve_cpus
 from sous.models.pipeline import PPMissingLayer, get_pp_indices
-from test_data_parallel import ARGS, ENV, MODEL, PROMPTS, chat
+from test_data_parallel import ARGS, ENV, MODEL, PROMPTS, chat, kill_child_mid_stream
 from tiny_models import make_tiny_deepseek, make_tiny_minimax_m2
 
 PP = ["--pipeline-parallel-size", "2"]
@@ -210,23 +207,5 @@ def test_two_stages_answer_as_one_process_alone_and_sixteen_way(servers) -> None
 
 
 def test_killed_stage_fails_clients_and_the_server_exits_non_zero(tmp_path: Path) -> None:
-    procs: dict[str, subprocess.Popen] = {}
-    with sous_serve([*ARGS, *PP], tmp_path / "pp.log", env=ENV, procs=procs) as url:
-        server = procs[url]
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        assert chat(client, PROMPTS[0], 4)[0]
-        stages = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "spawn_main"],
-                                capture_output=True, text=True).stdout.split()
-        assert len(stages) == 2, stages
-        stream = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=400, temperature=0, stream=True)
-        next(iter(stream))
-        subprocess.run(["kill", "-9", stages[0]], check=True)
-        start = time.monotonic()
-        with pytest.raises((openai.APIError, httpx.HTTPError)):
-            for _ in stream:
-                pass
-        assert server.wait(timeout=30) == 1
-        assert time.monotonic() - start < 30
+    assert kill_child_mid_stream([*ARGS, *PP], tmp_path / "pp.log", victim=0) == 1
     assert "the worker process exited (-9)" in (tmp_path / "pp.log").read_text()

@@ -132,7 +132,7 @@ class StageTransfers:
     def _count(self, seen: dict[str, int], finished: list[set[str]]) -> set[str]:
         done = set()
         for stage_finished in finished:
-            for rid in stage_finished or ():
+            for rid in stage_finished:
                 seen[rid] = seen.get(rid, 0) + 1
                 if seen[rid] == self.num_stages:
                     del seen[rid]
