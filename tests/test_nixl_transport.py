@@ -177,3 +177,18 @@ def test_pipeline_stages_answer_by_pp_rank_and_read_their_own_layers() -> None:
             fetch_metadata("127.0.0.1", port, MODEL, whole, pp_rank=2)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(("pp_size", "expected"), [
+    (None, 1), (2, 2), ("3", 3), (-1, None), ("two", None)])
+def test_pp_size_in_transfer_params(pp_size: object, expected: int | None) -> None:
+    """Absent means one stage; a negative or non-numeric `pp_size` makes the params invalid
+    (the decode leg then computes the prompt itself, as for any invalid params)."""
+    from sous.kv_transfer.pd.params import remote_prefill
+
+    params = {"do_remote_prefill": True, "remote_block_ids": [[3, 4]], "remote_engine_id": "p",
+              "remote_request_id": "r", "remote_host": "h", "remote_port": 5600}
+    if pp_size is not None:
+        params["pp_size"] = pp_size
+    remote = remote_prefill(params)
+    assert (remote and remote.pp_size) == expected
