@@ -58,33 +58,49 @@ def start_sous(work: Path, name: str, extra: list[str], timeout_s: float,
 
 
 def ask(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int
-        ) -> tuple[str, int]:
-    """One greedy chat: (answer, completion tokens)."""
-    r = client.post(base + "/v1/chat/completions", json={
-        "model": model, "messages": [{"role": "user", "content": prompt}],
-        "temperature": 0, "max_tokens": max_tokens})
-    r.raise_for_status()
-    body = r.json()
-    return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+        ) -> tuple[str, int, float]:
+    """One greedy chat, streamed: (answer, completion tokens, seconds from the first
+    content to the end of the stream, the decode time)."""
+    text, usage, first = [], {}, None
+    with client.stream("POST", base + "/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                if piece := choice["delta"].get("content"):
+                    first = first if first is not None else time.perf_counter()
+                    text.append(piece)
+    decode_s = time.perf_counter() - first if first is not None else 0.0
+    return "".join(text), usage["completion_tokens"], decode_s
 
 
 def one_round(base: str, prompts: list[str], concurrency: int, max_tokens: int
-              ) -> tuple[float, list[str]]:
-    """Output tok/s of answering `prompts` with `concurrency` in flight, and the answers."""
+              ) -> tuple[float, list[str], list[float]]:
+    """Answering `prompts` with `concurrency` in flight: output tok/s (completion tokens over
+    wall time), the answers, and each answer's decode tok/s (tokens after the first over the
+    time from the first to the last)."""
     with httpx.Client(trust_env=False, timeout=900.0) as client, \
             ThreadPoolExecutor(concurrency) as pool:
         model = client.get(base + "/v1/models").json()["data"][0]["id"]
         start = time.perf_counter()
         done = list(pool.map(lambda p: ask(client, base, model, p, max_tokens), prompts))
         elapsed = time.perf_counter() - start
-    return sum(n for _, n in done) / elapsed, [text for text, _ in done]
+    decode = [(n - 1) / s for _, n, s in done if n > 1 and s > 0]
+    return sum(n for _, n, _ in done) / elapsed, [text for text, _, _ in done], decode
 
 
 def measure(configs: dict[str, list[str]], baseline: str, timeout_s: float,
             run: Callable[[str], dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """`run(base_url)` on one server per configuration (`baseline` first), each case's
-    `output_tok_per_s` and `answers` compared with the baseline's: `ratio_vs_<baseline>` and
-    `identical` added, the answers removed."""
+    `output_tok_per_s` (and `decode_tok_per_s` where measured) and `answers` compared with the
+    baseline's: `ratio_vs_<baseline>` (`decode_ratio_vs_<baseline>`) and `identical` added,
+    the answers removed."""
     names = [baseline, *(n for n in configs if n != baseline)]
     measured: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="sous-bench-") as tmp:
@@ -98,6 +114,9 @@ def measure(configs: dict[str, list[str]], baseline: str, timeout_s: float,
         for case, r in cases.items():
             ref = measured[baseline][case]
             r[f"ratio_vs_{baseline}"] = r["output_tok_per_s"] / ref["output_tok_per_s"]
+            if "decode_tok_per_s" in r:
+                r[f"decode_ratio_vs_{baseline}"] = (r["decode_tok_per_s"]
+                                                    / ref["decode_tok_per_s"])
             r["identical"] = r["answers"] == ref["answers"]
     for cases in measured.values():
         for r in cases.values():

@@ -57,7 +57,7 @@ def run_config(base: str, args: argparse.Namespace) -> dict[str, Any]:
         rates, answers = [], []
         for prompts in rounds[1:]:
             wait_idle(args.idle_wait)
-            rate, texts = one_round(base, prompts, conc, args.max_tokens)
+            rate, texts, _ = one_round(base, prompts, conc, args.max_tokens)
             rates.append(rate)
             answers += texts
         results[str(conc)] = {"output_tok_per_s": median(rates), "rounds": rates,

@@ -209,3 +209,23 @@ def test_drafter_the_model_cannot_serve_exits_2_naming_it(config: str, needle: s
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--speculative-config" in r.stderr and needle in r.stderr, r.stderr[-2000:]
+
+
+def test_benchmark_smoke_reports_decode_speed_and_identical_answers(tmp_path: Path) -> None:
+    """benchmarks/spec_decode.py, scaled down: the copy/edit workload through a server with
+    and without suffix drafts; its JSON has both rates, acceptance, and identical answers."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "spec.json"
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "spec_decode.py"), "--methods", "off,suffix",
+         "--workloads", "edit", "--concurrency", "1", "--rounds", "1", "--max-tokens", "48",
+         "--idle-wait", "0", "--disable-by-batch-size", "4", "--output", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["configs"]["suffix"]["disable_by_batch_size"] == 4
+    off, suffix = report["results"]["off"]["edit/1"], report["results"]["suffix"]["edit/1"]
+    for case in (off, suffix):
+        assert case["identical"] and case["output_tok_per_s"] > 0 and case["decode_tok_per_s"] > 0
+    assert off["decode_ratio_vs_off"] == 1.0 and off["mean_acceptance_length"] is None
+    assert suffix["mean_acceptance_length"] > 1.0  # the answer repeats the prompt's text
