@@ -7,7 +7,7 @@ drafts, on the bundled SmolLM2-135M, one stream and 16 at once. Prints JSON.
                                      [--rounds 3] [--max-tokens 160] [--output F]
 
 `eagle3` needs `--eagle3-head`, a head `sous draft train --out DIR` wrote. One `sous serve` per
-method (the same flags otherwise), greedy chat requests, three workloads:
+method (the same flags otherwise), greedy chat requests, four workloads:
 
 - `edit`: "rewrite this text, changing one word": a copy/edit workload, the case n-gram and
   suffix drafting are for (document and code edits, RAG, agents re-reading files); the
