@@ -199,7 +199,8 @@ void store(const Problem& p, int64_t m, int64_t n0, const float* v) {
 // A call streams its weights once (a layer's ~2 MB do not stay in L2 until the next token),
 // and the hardware prefetcher alone leaves the core waiting on them: measured on a 30-layer
 // pass of one row, about 4.2 ms without this and 2.9 ms with it. Fetching the weights (and block
-// scales) PREFETCH_BYTES ahead of the block being computed changes no result.
+// scales) PREFETCH_BYTES ahead of the block being computed changes no result. Only a group's
+// first tile of rows prefetches (`run` walks a group's tiles one after the other).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 inline void prefetch_ahead(const Problem& p, int64_t g, int64_t b, int64_t nb) {
@@ -260,8 +261,9 @@ void tile_t(const Problem& p, int64_t m0, int64_t g) {
     iacc[i] = _mm512_setzero_si512();
   }
   __m512i w[8];
+  const bool first_tile = m0 % M_BLOCK == 0;  // later tiles of the group find it cached
   for (int64_t b = 0; b < a.nb; ++b) {
-    prefetch_ahead(p, g, b, a.nb);
+    if (first_tile) prefetch_ahead(p, g, b, a.nb);
     load_steps(wg + b * p.block_bytes, BITS, w);
     if constexpr (BLOCK) {
       const int64_t si = (g * a.nb + b) * LANES;
@@ -383,8 +385,9 @@ void tile(const Problem& p, int64_t m0, int64_t g) {
       acc[r][h] = _mm256_setzero_ps();
       iacc[r][h] = _mm256_setzero_si256();
     }
+  const bool first_tile = m0 % M_BLOCK == 0;  // later tiles of the group find it cached
   for (int64_t b = 0; b < a.nb; ++b) {
-    prefetch_ahead(p, g, b, a.nb);
+    if (first_tile) prefetch_ahead(p, g, b, a.nb);
     const int8_t* x[R];
     for (int r = 0; r < R; ++r) x[r] = a.q.data() + (m0 + r) * a.k + b * QK;
     __m256i dot[R][2];
