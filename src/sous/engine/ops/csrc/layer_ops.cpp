@@ -107,6 +107,8 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
       int64_t i = 0;
 #ifdef SOUS_AVX512
       for (; i + 16 <= d; i += 16) _mm512_storeu_ps(&e[i], exp512(_mm512_loadu_ps(&e[i])));
+#elif defined(SOUS_AVX2)
+      for (; i + 8 <= d; i += 8) _mm256_storeu_ps(&e[i], exp256(_mm256_loadu_ps(&e[i])));
 #endif
       for (; i < d; ++i) e[i] = std::exp(e[i]);
       T* orow = op + r * d;

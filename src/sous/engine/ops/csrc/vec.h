@@ -1,6 +1,8 @@
 // SIMD building blocks of the CPU attention kernels: float32 math over rows of K/V read
-// straight from the paged cache. Every function has an AVX-512 body (the extension is built with
-// -march=native) and a portable scalar body the compiler may vectorise on other CPUs.
+// straight from the paged cache. Every function has an AVX-512 body and an AVX2 + FMA body (the
+// extension is built with -march=native, so one of them or neither is compiled in) and a
+// portable scalar body the compiler may vectorise on other CPUs. Each computes a row the same
+// way whichever rows are processed with it, so results stay batch-invariant.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -14,6 +16,9 @@
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define SOUS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SOUS_AVX2 1
 #endif
 
 namespace sous {
@@ -81,6 +86,22 @@ inline void convert_row(const void* src, KvType t, int n, float scale, float* ds
       _mm512_storeu_ps(dst + i, _mm512_mul_ps(v, vs));
     }
   }
+#elif defined(SOUS_AVX2)
+  const __m256 vs = _mm256_set1_ps(scale);
+  if (t == KvType::BF16) {
+    const auto* s = static_cast<const uint16_t*>(src);
+    for (; i + 8 <= n; i += 8) {
+      const __m256i w =
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), vs));
+    }
+  } else if (t == KvType::F16) {
+    const auto* s = static_cast<const uint16_t*>(src);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(v, vs));
+    }
+  }
 #endif
   switch (t) {
     case KvType::F32: {
@@ -144,6 +165,47 @@ inline __m512 exp512(__m512 x) {
 }
 
 inline __mmask16 tail_mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+#elif defined(SOUS_AVX2)
+// The 8 horizontal sums of v[0..7], as one vector (lane j = sum of v[j]).
+inline __m256 hsum8(const __m256* v) {
+  const __m256 x0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 x1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x0, x1, 0x20), _mm256_permute2f128_ps(x0, x1, 0x31));
+}
+
+// exp512's polynomial with 2^n built in the exponent bits: inputs are clamped to [-87.34, 88]
+// (normal results) and lanes below -87.34 (exp < FLT_MIN) give 0.
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+inline float hmax(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
 #endif
 
 // out[j] = scale * dot(q[0:d], k[j][0:d]) for the 16 rows k[0..15].
@@ -163,6 +225,24 @@ inline void scores16(const float* q, const float* const* k, int d, float scale, 
       acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k[j] + i), acc[j]);
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+#elif defined(SOUS_AVX2)
+  for (int h = 0; h < 16; h += 8) {  // two halves of 8 rows: 8 accumulators stay in registers
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= d; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int j = 0; j < 8; ++j)
+        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[h + j] + i), acc[j]);
+    }
+    alignas(32) float part[8];
+    _mm256_store_ps(part, hsum8(acc));
+    for (int j = 0; j < 8; ++j) {
+      float tail = 0.f;
+      for (int e = i; e < d; ++e) tail += q[e] * k[h + j][e];
+      out[h + j] = (part[j] + tail) * scale;
+    }
+  }
 #else
   for (int j = 0; j < 16; ++j) {
     float s = 0.f;
@@ -185,6 +265,12 @@ inline float max_n(const float* x, int n) {
     vm = _mm512_mask_max_ps(vm, m, vm, _mm512_maskz_loadu_ps(m, x + i));
   }
   return _mm512_reduce_max_ps(vm);
+#elif defined(SOUS_AVX2)
+  if (n >= 8) {
+    __m256 vm = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + i));
+    m = hmax(vm);
+  }
 #endif
   for (; i < n; ++i) m = std::max(m, x[i]);
   return m;
@@ -210,6 +296,24 @@ inline float exp_shift_sum(float* x, int n, float mx) {
     i = n;
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(SOUS_AVX2)
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (i < n) {  // the same exp for the tail lanes
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 e = _mm256_and_ps(
+        _mm256_castsi256_ps(m), exp256(_mm256_sub_ps(_mm256_maskload_ps(x + i, m), vm)));
+    _mm256_maskstore_ps(x + i, m, e);
+    acc = _mm256_add_ps(acc, e);
+    i = n;
+  }
+  sum = hsum(acc);
 #endif
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - mx);
@@ -259,54 +363,32 @@ inline void axpy_rows_multi(float* const* o, const float* P, int ldp, const floa
     }
     for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(o[i] + c, m, acc[i]);
   }
-#else
+#elif defined(SOUS_AVX2)
+  for (; c + 16 <= dv; c += 16) {  // R x 2 accumulators + 2 value vectors fit 16 registers
+    __m256 acc[R][2];
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < 2; ++g) acc[i][g] = _mm256_loadu_ps(o[i] + c + 8 * g);
+    for (int j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v[j] + c), v1 = _mm256_loadu_ps(v[j] + c + 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 pb = _mm256_set1_ps(P[i * ldp + j]);
+        acc[i][0] = _mm256_fmadd_ps(pb, v0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(pb, v1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < 2; ++g) _mm256_storeu_ps(o[i] + c + 8 * g, acc[i][g]);
+  }
+#endif
+#ifndef SOUS_AVX512
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < n; ++j) {
       const float pj = P[i * ldp + j];
       const float* vj = v[j];
       float* oi = o[i];
 #pragma omp simd
-      for (int k = 0; k < dv; ++k) oi[k] += pj * vj[k];
+      for (int k = c; k < dv; ++k) oi[k] += pj * vj[k];
     }
-  (void)c;
-#endif
-}
-
-// o[0:dv] += sum_{j<n} p[j] * v[j][0:dv].
-inline void axpy_rows(float* o, const float* p, const float* const* v, int n, int dv) {
-  int i = 0;
-#ifdef SOUS_AVX512
-  for (; i + 64 <= dv; i += 64) {
-    __m512 a0 = _mm512_loadu_ps(o + i), a1 = _mm512_loadu_ps(o + i + 16);
-    __m512 a2 = _mm512_loadu_ps(o + i + 32), a3 = _mm512_loadu_ps(o + i + 48);
-    for (int j = 0; j < n; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      const float* vj = v[j] + i;
-      a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj), a0);
-      a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16), a1);
-      a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 32), a2);
-      a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 48), a3);
-    }
-    _mm512_storeu_ps(o + i, a0);
-    _mm512_storeu_ps(o + i + 16, a1);
-    _mm512_storeu_ps(o + i + 32, a2);
-    _mm512_storeu_ps(o + i + 48, a3);
-  }
-  for (; i < dv; i += 16) {
-    const __mmask16 m = tail_mask(std::min(16, dv - i));
-    __m512 a = _mm512_maskz_loadu_ps(m, o + i);
-    for (int j = 0; j < n; ++j)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v[j] + i), a);
-    _mm512_mask_storeu_ps(o + i, m, a);
-  }
-#else
-  for (int j = 0; j < n; ++j) {
-    const float pj = p[j];
-    const float* vj = v[j];
-#pragma omp simd
-    for (int k = 0; k < dv; ++k) o[k] += pj * vj[k];
-  }
-  (void)i;
 #endif
 }
 
