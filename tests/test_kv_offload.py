@@ -262,10 +262,12 @@ def test_recipe_launch_runs_the_lmcache_rds_selection(capsys: pytest.CaptureFixt
 
     code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-data-expert-parallel",
                  "--target", "Throughput", "--set", "lmcache=rds",
-                 "--duration", "0.2", "--log-dir", str(tmp_path), "--ready-timeout", "240"])
+                 "--duration", "0.2", "--log-dir", str(tmp_path), "--ready-timeout", "240",
+                 "--kv-cache-gib", "0.5"])
     err = capsys.readouterr().err
     assert code == 0, err
     assert "chat reply: " in err and "DROPPED" not in err
+    assert "VLLM_CPU_KVCACHE_SPACE=0.5 (KV cache GiB: --kv-cache-gib)" in err
     log = (tmp_path / "main.log").read_text()
     assert "KV offload (LMCache RBLNLMCacheConnectorV1, chunks of 4096 tokens" in log
     assert "plugin RDSBackend (sous.kv_transfer.offload.rds_backend)" in log

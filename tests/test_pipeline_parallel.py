@@ -133,7 +133,7 @@ def test_chunked_prefill_and_preemption_with_batches_in_flight() -> None:
     prompts = [f"Question {i}: describe {topic} in detail, with examples and history."
                for i, topic in enumerate(("rain", "tea", "jazz", "chess", "owls", "bread",
                                           "copper", "comets"))]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     block_bytes = 30 * 2 * 3 * 64 * 4 * 16  # the bundled model's float32 KV, all layers
     results = []
     for pp in (1, 2):

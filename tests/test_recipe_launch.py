@@ -63,6 +63,18 @@ def test_launch_stops_and_lists_unsupported_flags(capsys, tmp_path):
     assert not logs.exists() or list(logs.iterdir()) == []
 
 
+@pytest.mark.parametrize("value, why", [("lots", "'lots' is not a number of GiB"),
+                                        ("0", "'0': must be > 0")])
+def test_bad_kv_cache_gib_stops_before_anything_starts(capsys, tmp_path, value, why):
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "minimax-m2.7", "--strategy", "prefill-decode-disaggregated",
+              "--target", "Latency", "--log-dir", str(tmp_path / "logs"),
+              "--kv-cache-gib", value])
+    assert info.value.code == 2
+    assert f"argument --kv-cache-gib: {why}" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+
+
 def test_pd_launch_remaps_ports_consistently(tmp_path):
     plan = compose(RECIPE.recipe, "prefill-decode-disaggregated", "Latency", variables=LOCAL)
     ports = _ports()
@@ -167,6 +179,7 @@ def test_aggregated_dp_ep_comes_up_with_a_moe_stand_in(capsys, tmp_path: Path):
                  "--target", "Throughput", "--recommended", "--set", "spec_decode=suffix",
                  "--duration", "0.2", "--stand-in", str(stand_in),
                  "--stand-in-max-model-len", "256", "--log-dir", str(tmp_path / "logs"),
+                 "--kv-cache-gib", "0.5",
                  "--ready-timeout", "240", "--max-ranks", "2"])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -193,6 +206,7 @@ def test_aggregated_pipeline_parallel_comes_up(capsys, tmp_path: Path):
     code = main(["launch", "minimax-m2.7", "--strategy", "aggregated-pipeline-parallel",
                  "--target", "Throughput", "--set", "lmcache=rds", "spec_decode=suffix",
                  "prefix_caching=on_sub_block", "--duration", "0.2", "--log-dir", str(tmp_path),
+                 "--kv-cache-gib", "0.5",
                  "--ready-timeout", "240", "--max-ranks", "2"])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -205,11 +219,51 @@ def test_aggregated_pipeline_parallel_comes_up(capsys, tmp_path: Path):
 
 
 def _pd_selections() -> list[tuple[str, str, str]]:
+    """Each shipped P/D topology once: of a strategy's targets whose processes take the same
+    flags (MiniMax's Latency and Throughput differ only in `--max-num-seqs` values), the first.
+    `test_recipe_shipped` checks every target's commands; flag values parse as in the launched
+    ones."""
+    from sous.recipes.catalog import list_recipes
+    from sous.recipes.compose import compose
+
+    seen, out = set(), []
+    for lr in list_recipes():
+        for s in lr.recipe.strategies:
+            if "prefill" not in s.slug or "decode" not in s.slug:
+                continue
+            for o in s.options:
+                plan = compose(lr.recipe, s.slug, o.target, sets={"lmcache": "cpu"})
+                shape = (lr.name, s.slug, tuple((p.role, tuple(sorted(a.flag for a in p.args)))
+                                                for p in plan.processes))
+                if shape not in seen:
+                    seen.add(shape)
+                    out.append((lr.name, s.slug, o.target))
+    return out
+
+
+def test_every_pd_target_launches_serve_commands_that_parse(tmp_path: Path):
+    """Every target of every P/D strategy (also those `_pd_selections` leaves out of the
+    end-to-end test): each `sous serve` command it would launch parses into engine and server
+    configs, as at the start of the launched process."""
+    from sous.config.engine_args import parse_serve_args
     from sous.recipes.catalog import list_recipes
 
-    return [(lr.name, s.slug, o.target) for lr in list_recipes()
-            for s in lr.recipe.strategies if "prefill" in s.slug and "decode" in s.slug
-            for o in s.options]
+    parsed = 0
+    for lr in list_recipes():
+        for s in lr.recipe.strategies:
+            if "prefill" not in s.slug or "decode" not in s.slug:
+                continue
+            for o in s.options:
+                plan = compose(lr.recipe, s.slug, o.target, sets={"lmcache": "cpu"},
+                               variables=LOCAL)
+                specs, blocking = build_launch(plan, None, tmp_path, _ports(),
+                                               drop_unsupported=False)
+                assert blocking == {}, (lr.name, o.target)
+                for spec in specs:
+                    if spec.command[1:4] == ("-m", "sous.cli", "serve"):
+                        parse_serve_args(list(spec.command[4:]), environ=dict(spec.env))
+                        parsed += 1
+    assert parsed >= 2 * len(_pd_selections())
 
 
 @pytest.mark.parametrize("name, strategy, target", _pd_selections())
@@ -221,7 +275,8 @@ def test_pd_launch_runs_the_router_and_answers_a_tool_chat(name: str, strategy: 
     on Ctrl-C."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "sous.cli", "recipe", "launch", name, "--strategy", strategy,
-         "--target", target, "--set", "lmcache=cpu", "--no-probe", "--log-dir", str(tmp_path)],
+         "--target", target, "--set", "lmcache=cpu", "--no-probe", "--log-dir", str(tmp_path),
+         "--kv-cache-gib", "0.5"],
         stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:

@@ -111,7 +111,7 @@ def engine() -> Iterator[Any]:
     from sous.config.engine_args import engine_config_from_kwargs
     from sous.engine.async_llm import AsyncLLM
 
-    config = engine_config_from_kwargs(model=None, dtype="float32", max_model_len=512,
+    config = engine_config_from_kwargs(model=None, max_model_len=512,
                                        kv_cache_memory_bytes=128 << 20, max_num_seqs=32)
     eng = AsyncLLM.from_config(config)
     yield eng

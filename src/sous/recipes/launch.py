@@ -6,8 +6,8 @@ the recipe's client example works. Every port of the plan (`--port`, whose vLLM 
 8000 is made explicit, `--data-parallel-rpc-port`, `*_PORT` envs, `tcp://host:PORT`
 endpoints and `kv@host:PORT@` topics) is remapped, consistently, to a free loopback port;
 placeholders are filled with 127.0.0.1. Each server's KV cache gets an equal share of the
-machine (`VLLM_CPU_KVCACHE_SPACE`, see `kv_cache_share_gib`) unless the recipe sizes it, so
-N servers never each claim the whole machine. `--max-model-len` belongs to the recipe's model,
+machine (`VLLM_CPU_KVCACHE_SPACE`, see `kv_cache_share_gib`; `--kv-cache-gib` sets it) unless
+the recipe sizes it, so N servers never each claim the whole machine. `--max-model-len` belongs to the recipe's model,
 not the stand-in: it is replaced by `--stand-in-max-model-len` or removed (the stand-in's
 own maximum), and the summary says so.
 
@@ -74,8 +74,23 @@ def add_launch_parser(sub: Any, selection_args: Callable[[argparse.ArgumentParse
                    help="at most N ranks per role, and --data-parallel-size / "
                         "--pipeline-parallel-size capped at N (default: half the CPUs, at "
                         "least 2); the launch prints what it scaled")
+    p.add_argument("--kv-cache-gib", type=_positive_gib, default=None, metavar="GIB",
+                   help="KV cache GiB of each engine worker (data parallel rank, pipeline "
+                        "stage), set as VLLM_CPU_KVCACHE_SPACE where the recipe does not size "
+                        "it; LMCache's CPU pool is capped at it too (default: half of this "
+                        "machine's available memory shared by all workers, at most 4)")
     p.add_argument("--no-probe", action="store_true",
                    help="do not send a chat request to each server once it is up")
+
+
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
 
 
 # ----------------------------------------------------------------------------- ports
@@ -231,16 +246,15 @@ def kv_cache_share_gib(num_servers: int, available_bytes: int | None = None) -> 
     return max(0.05, min(4.0, int(share * 100) / 100))
 
 
-def _kv_budget_env(process: Process, envs: list[EnvVar], share_gib: float
+def _kv_budget_env(process: Process, envs: list[EnvVar], share_gib: float, why: str
                    ) -> tuple[dict[str, str], list[str]]:
     """The process's environment, plus VLLM_CPU_KVCACHE_SPACE=`share_gib` unless the recipe
-    sizes the KV cache itself; and the note saying so."""
+    sizes the KV cache itself; and the note saying so (and `why` that size)."""
     env = {e.name: e.value for e in envs}
     if "VLLM_CPU_KVCACHE_SPACE" in env or process.arg("--kv-cache-memory-bytes") is not None:
         return env, []
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{share_gib:g}"
-    return env, [f"VLLM_CPU_KVCACHE_SPACE={share_gib:g} (KV cache GiB: half of this machine's "
-                 "available memory, shared by the engine workers, at most 4)"]
+    return env, [f"VLLM_CPU_KVCACHE_SPACE={share_gib:g} (KV cache GiB: {why})"]
 
 
 def _lmcache_cpu_cap(env: dict[str, str], share_gib: float) -> list[str]:
@@ -264,12 +278,15 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
                  ) -> tuple[list[LaunchSpec], dict[str, list[tuple[str, str]]]]:
     """The processes to start, and per process label the unsupported flags that block
     the launch (empty when none, or when they are dropped). Each engine worker (a data
-    parallel rank, a pipeline stage) gets an equal KV cache share (`kv_share_gib`, default
-    `kv_cache_share_gib` over all of them). With a
+    parallel rank, a pipeline stage) gets an equal KV cache share (`kv_share_gib`, as
+    `--kv-cache-gib` gives it; default `kv_cache_share_gib` over all of them). With a
     router, its config file is written to `log_dir` and `sous route` comes last."""
     specs, blocking, roles = [], {}, []
+    why = "--kv-cache-gib"
     if kv_share_gib is None:
         kv_share_gib = kv_cache_share_gib(sum(devices_per_process(p) for p in plan.processes))
+        why = ("half of this machine's available memory, shared by the engine workers, "
+               "at most 4")
     for process in plan.processes:
         if process.launcher_words != ["vllm", "serve"]:
             raise RecipeError(f"{process.label}: launcher {process.launcher!r} is not "
@@ -284,7 +301,7 @@ def build_launch(plan: Plan, stand_in: str | None, log_dir: Path, ports: PortMap
         elif bad:
             args = [a for a in args if a.flag not in bad_flags]
         env, kv_notes = _kv_budget_env(
-            process, [_remap_env(e, ports, dp_rank) for e in process.envs], kv_share_gib)
+            process, [_remap_env(e, ports, dp_rank) for e in process.envs], kv_share_gib, why)
         kv_notes += _lmcache_cpu_cap(env, kv_share_gib)
         port = int(next(a.words[1] for a in args if a.flag == "--port"))
         name = process.role if process.rank is None else f"{process.role}-rank-{process.rank}"
@@ -362,7 +379,8 @@ def run_launch(args: argparse.Namespace, plan: Plan) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sous-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     specs, blocking = build_launch(plan, args.stand_in, log_dir, PortMap(),
-                                   args.drop_unsupported, args.stand_in_max_model_len)
+                                   args.drop_unsupported, args.stand_in_max_model_len,
+                                   args.kv_cache_gib)
     if blocking:
         _report_blocking(blocking)
         return 2
