@@ -218,26 +218,32 @@ def test_aggregated_pipeline_parallel_comes_up(capsys, tmp_path: Path):
     assert log.count("KV offload (LMCache RBLNLMCacheConnectorV1") == 2
 
 
+def _pd_plans():
+    """(recipe name, strategy slug, target, plan with LMCache's CPU tier) of every target of
+    every shipped P/D strategy."""
+    from sous.recipes.catalog import list_recipes
+
+    for lr in list_recipes():
+        for s in lr.recipe.strategies:
+            if "prefill" in s.slug and "decode" in s.slug:
+                for o in s.options:
+                    yield lr.name, s.slug, o.target, compose(lr.recipe, s.slug, o.target,
+                                                             sets={"lmcache": "cpu"},
+                                                             variables=LOCAL)
+
+
 def _pd_selections() -> list[tuple[str, str, str]]:
     """Each shipped P/D topology once: of a strategy's targets whose processes take the same
     flags (MiniMax's Latency and Throughput differ only in `--max-num-seqs` values), the first.
-    `test_recipe_shipped` checks every target's commands; flag values parse as in the launched
-    ones."""
-    from sous.recipes.catalog import list_recipes
-    from sous.recipes.compose import compose
-
+    `test_recipe_shipped` checks every target's commands, and the test below that they
+    parse."""
     seen, out = set(), []
-    for lr in list_recipes():
-        for s in lr.recipe.strategies:
-            if "prefill" not in s.slug or "decode" not in s.slug:
-                continue
-            for o in s.options:
-                plan = compose(lr.recipe, s.slug, o.target, sets={"lmcache": "cpu"})
-                shape = (lr.name, s.slug, tuple((p.role, tuple(sorted(a.flag for a in p.args)))
-                                                for p in plan.processes))
-                if shape not in seen:
-                    seen.add(shape)
-                    out.append((lr.name, s.slug, o.target))
+    for name, slug, target, plan in _pd_plans():
+        shape = (name, slug, tuple((p.role, tuple(sorted(a.flag for a in p.args)))
+                                   for p in plan.processes))
+        if shape not in seen:
+            seen.add(shape)
+            out.append((name, slug, target))
     return out
 
 
@@ -246,23 +252,15 @@ def test_every_pd_target_launches_serve_commands_that_parse(tmp_path: Path):
     end-to-end test): each `sous serve` command it would launch parses into engine and server
     configs, as at the start of the launched process."""
     from sous.config.engine_args import parse_serve_args
-    from sous.recipes.catalog import list_recipes
 
     parsed = 0
-    for lr in list_recipes():
-        for s in lr.recipe.strategies:
-            if "prefill" not in s.slug or "decode" not in s.slug:
-                continue
-            for o in s.options:
-                plan = compose(lr.recipe, s.slug, o.target, sets={"lmcache": "cpu"},
-                               variables=LOCAL)
-                specs, blocking = build_launch(plan, None, tmp_path, _ports(),
-                                               drop_unsupported=False)
-                assert blocking == {}, (lr.name, o.target)
-                for spec in specs:
-                    if spec.command[1:4] == ("-m", "sous.cli", "serve"):
-                        parse_serve_args(list(spec.command[4:]), environ=dict(spec.env))
-                        parsed += 1
+    for name, _, target, plan in _pd_plans():
+        specs, blocking = build_launch(plan, None, tmp_path, _ports(), drop_unsupported=False)
+        assert blocking == {}, (name, target)
+        for spec in specs:
+            if spec.command[1:4] == ("-m", "sous.cli", "serve"):
+                parse_serve_args(list(spec.command[4:]), environ=dict(spec.env))
+                parsed += 1
     assert parsed >= 2 * len(_pd_selections())
 
 
