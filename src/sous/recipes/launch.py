@@ -7,9 +7,9 @@ the recipe's client example works. Every port of the plan (`--port`, whose vLLM 
 endpoints and `kv@host:PORT@` topics) is remapped, consistently, to a free loopback port;
 placeholders are filled with 127.0.0.1. Each server's KV cache gets an equal share of the
 machine (`VLLM_CPU_KVCACHE_SPACE`, see `kv_cache_share_gib`; `--kv-cache-gib` sets it) unless
-the recipe sizes it, so N servers never each claim the whole machine. `--max-model-len` belongs to the recipe's model,
-not the stand-in: it is replaced by `--stand-in-max-model-len` or removed (the stand-in's
-own maximum), and the summary says so.
+the recipe sizes it, so N servers never each claim the whole machine. `--max-model-len`
+belongs to the recipe's model, not the stand-in: it is replaced by `--stand-in-max-model-len`
+or removed (the stand-in's own maximum), and the summary says so.
 
 Flags `sous serve` does not support yet (its `NOT_SUPPORTED_YET` table) or does not know
 stop the launch with a list of them, per process (exit 2); `--drop-unsupported` removes
