@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from concurrent.futures import Future
 
 import pytest
@@ -34,6 +36,14 @@ PERSON = {"type": "object",
 
 
 # ---- parameters --------------------------------------------------------------------------
+
+def test_xgrammar_loads_only_with_a_structured_request() -> None:
+    """The engine and the server import xgrammar on their first structured request: a server
+    that never gets one does not pay its memory or start-up time."""
+    code = ("import sys, sous.engine.core, sous.server.api_server; "
+            "sys.exit(3 if 'xgrammar' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
 
 def test_params_need_exactly_one_constraint() -> None:
     with pytest.raises(ValueError, match="must use one kind .* none are specified"):

@@ -26,7 +26,6 @@ import asyncio
 import copy
 from typing import Any
 
-from sous.engine.structured_output.backend_xgrammar import validate
 from sous.engine.structured_output.params import StructuredOutputsParams
 from sous.server.errors import APIError, bad_request
 
@@ -118,6 +117,7 @@ def _build(req: Any, tool_schema: dict[str, Any] | None,
         return None, param
     try:
         params = StructuredOutputsParams(**fields)
+        from sous.engine.structured_output.backend_xgrammar import validate
         validate(params)
     except TypeError as e:
         raise bad_request(f"Invalid {param}: {e}", param) from None

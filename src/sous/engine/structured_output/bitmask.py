@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 
 @dataclass
@@ -34,6 +33,7 @@ class GrammarOutput:
                 dst.append(b)
         if not dst:
             return
+        import xgrammar as xgr  # only once a structured request runs
         full = self.bitmask.new_full((logits.shape[0], self.bitmask.shape[1]), -1)
         full[dst] = self.bitmask[src]
         full = full.to(logits.device, non_blocking=True)

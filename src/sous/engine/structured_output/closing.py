@@ -21,9 +21,10 @@ Threading: engine thread only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 CLOSING_MARGIN = 8
 """Tokens of slack before the completion is forced (see the module docstring)."""

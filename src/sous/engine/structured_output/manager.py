@@ -31,17 +31,19 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from sous.config.structured_outputs import StructuredOutputsConfig
 from sous.engine.request import Request, RequestStatus
-from sous.engine.structured_output.backend_xgrammar import Key, XgrammarBackend, validate
 from sous.engine.structured_output.bitmask import GrammarOutput
 from sous.engine.structured_output.closing import CLOSING_MARGIN, force_row, next_check
 from sous.engine.structured_output.params import StructuredOutputKind, StructuredOutputsParams
 from sous.engine.structured_output.request import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from sous.engine.structured_output.backend_xgrammar import Key, XgrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class StructuredOutputManager:
         key = self.effective(params).key()
         if key in self._validated:
             return key
+        from sous.engine.structured_output.backend_xgrammar import validate
         validate(params)
         self._validated[key] = None
         while len(self._validated) > _CACHE_SIZE:
@@ -158,6 +161,7 @@ class StructuredOutputManager:
     def _get_backend(self) -> XgrammarBackend:
         with self._backend_lock:
             if self._backend is None:
+                from sous.engine.structured_output.backend_xgrammar import XgrammarBackend
                 self._backend = XgrammarBackend(self.tokenizer, self.vocab_size,
                                                 self.stop_token_ids, self.compile_threads)
             return self._backend

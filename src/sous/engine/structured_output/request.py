@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sous.engine.structured_output.backend_xgrammar import Key, XgrammarGrammar
 from sous.engine.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from sous.engine.structured_output.backend_xgrammar import Key, XgrammarGrammar
 
 
 @dataclass(eq=False)
