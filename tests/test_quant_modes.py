@@ -96,7 +96,8 @@ def test_preemption_equals_alone(quant: str, aloneq: list[list[int]]) -> None:
 def test_layer_stack_equals_the_python_layers(llmq: LLM, quant: str) -> None:
     """GGUF weights run a step's decoder layers as one C++ call (`sous.models.llama_stack`):
     bit-identical to the Python layers, batched, with sampled logprobs; so are the stacks
-    split at EAGLE-3's aux layers (which hand back the residual stream there)."""
+    split at EAGLE-3's aux layers (which hand back the residual stream there). The first step
+    holds more tokens than the stack's MLP takes at once (256 rows), so its slicing is covered."""
     model = llmq.engine.loaded.model
     if quant != "gguf" or qgemm_ops(CPU) is None:
         assert quant == "gguf" or model._layer_stacks(()) is None  # int8 linears: Python layers
@@ -105,10 +106,13 @@ def test_layer_stack_equals_the_python_layers(llmq: LLM, quant: str) -> None:
     ((start, end, _),) = model._layer_stacks(())
     assert (start, end) == (0, layers)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    long = " ".join(f"Item {i} costs {i * 7} coins." for i in range(30))
+    assert len(llmq.get_tokenizer()(long)["input_ids"]) > 300
+    prompts = [*PROMPTS[:6], long]
 
     def run() -> list:
         llmq.engine.reset_prefix_cache()
-        return llmq.generate(PROMPTS[:6], params, use_tqdm=False)
+        return llmq.generate(prompts, params, use_tqdm=False)
 
     fused = run()
     runner = llmq.engine.runner

@@ -34,6 +34,8 @@ struct LlamaStack {
   // one KV cache per layer; then the step's attention metadata (gqa_attention's); `residual`
   // is the stream entering the first layer beside h (none for the model's layer 0), as
   // LlamaDecoderLayer.forward takes it, so a model split into stacks computes what one does.
+  // A step of more than 256 tokens runs as sub-steps of at most 256 (llama_stack.cpp), with
+  // the same results and a smaller peak of memory.
   std::tuple<at::Tensor, at::Tensor> forward(
       at::Tensor h, const std::vector<at::Tensor>& kv_caches, const at::Tensor& cos,
       const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& slot_mapping,
