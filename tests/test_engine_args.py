@@ -261,6 +261,17 @@ def test_enforce_eager_is_accepted() -> None:
     assert not parse_serve_args([], environ={})[0].model.enforce_eager
 
 
+def test_log_requests_flags(caplog: pytest.LogCaptureFixture) -> None:
+    """As in vLLM: requests are logged only with --enable-log-requests; the deprecated
+    --disable-log-requests is accepted with a warning (--no-disable-log-requests logs)."""
+    assert not parse_serve_args([], environ={})[1].enable_log_requests
+    assert parse_serve_args(["--enable-log-requests"], environ={})[1].enable_log_requests
+    with caplog.at_level(logging.WARNING, logger="sous.config.engine_args"):
+        assert not parse_serve_args(["--disable-log-requests"], environ={})[1].enable_log_requests
+        assert parse_serve_args(["--no-disable-log-requests"], environ={})[1].enable_log_requests
+    assert caplog.text.count("--disable-log-requests is deprecated") == 2
+
+
 def test_trust_remote_code_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="sous.config.engine_args"):
         eng, _ = parse_serve_args(["--trust-remote-code"], environ={})

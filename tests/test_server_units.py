@@ -3,13 +3,23 @@ logprobs formatting and the Prometheus exposition."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 
+from sous.config.server import ServerConfig
 from sous.engine.outputs import Logprob
+from sous.engine.sampling_params import SamplingParams
 from sous.server.errors import APIError
 from sous.server.metrics import ServerMetrics, buckets_1_2_5
 from sous.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from sous.server.serving_common import chat_logprobs, completion_logprobs, resolve_max_tokens
+from sous.server.serving_common import (
+    ServingContext,
+    chat_logprobs,
+    completion_logprobs,
+    resolve_max_tokens,
+)
 
 
 def test_resolve_max_tokens() -> None:
@@ -21,6 +31,18 @@ def test_resolve_max_tokens() -> None:
         resolve_max_tokens(120, 1, 100)
     with pytest.raises(APIError, match="100 input tokens"):
         resolve_max_tokens(100, None, 100)
+
+
+def test_requests_are_logged_only_when_enabled(caplog: pytest.LogCaptureFixture) -> None:
+    engine = SimpleNamespace(tokenizer=None)
+    for enabled in (False, True):
+        ctx = ServingContext(engine, ServerConfig(enable_log_requests=enabled, max_log_len=2),
+                             ServerMetrics("m", 8), prompt_bound=SimpleNamespace())
+        with caplog.at_level(logging.INFO, logger="sous.server"):
+            ctx.log_request(f"req-{enabled}", "hello", [5, 6, 7], SamplingParams())
+    assert "req-False" not in caplog.text
+    assert "Received request req-True: prompt: 'he', prompt_len: 3" in caplog.text
+    assert "prompt_token_ids: [5, 6]" in caplog.text
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[]", b'{"prompt": {"a": 1}}', b'{"prompt": "x", "n": 1.5}'])

@@ -502,6 +502,10 @@ def parse_serve_args(
         values["model"] = model_tag
     elif values["model"] is not None:
         logger.warning("--model is deprecated in vLLM; pass the model as the first argument.")
+    if values["disable_log_requests"] is not None:
+        logger.warning("--disable-log-requests is deprecated in vLLM: requests are logged only "
+                       "with --enable-log-requests.")
+        values["enable_log_requests"] |= not values["disable_log_requests"]
     try:
         values.update(env_values(environ))
     except ValueError as e:

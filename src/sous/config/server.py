@@ -15,8 +15,11 @@ class ServerConfig:
     """Require `Authorization: Bearer <key>` on /v1 endpoints (also read from VLLM_API_KEY)."""
     uvicorn_log_level: str = "info"
     """uvicorn log level."""
-    disable_log_requests: bool = False
-    """Do not log each request."""
+    enable_log_requests: bool = False
+    """Log each request at INFO: its prompt, prompt token ids and sampling parameters."""
+    disable_log_requests: bool | None = None
+    """Deprecated (as in vLLM): requests are not logged unless --enable-log-requests;
+    --no-disable-log-requests is read as --enable-log-requests."""
     max_log_len: int | None = None
     """Longest prompt text/ids logged per request."""
     enable_auto_tool_choice: bool = False

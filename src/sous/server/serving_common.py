@@ -91,7 +91,7 @@ class ServingContext:
 
     def log_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
                     params: SamplingParams) -> None:
-        if self.config.disable_log_requests or not logger.isEnabledFor(logging.INFO):
+        if not self.config.enable_log_requests or not logger.isEnabledFor(logging.INFO):
             return
         limit = self.config.max_log_len
         shown_prompt = prompt[:limit] if (prompt is not None and limit is not None) else prompt
