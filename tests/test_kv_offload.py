@@ -6,6 +6,7 @@ chunk-aligned hit. Faults: Redis down and back, corrupted values, bad start-up i
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
@@ -138,6 +139,19 @@ def wait_for_keys(server: RedisServer, n: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def wait_for_reconnect(url: str, server: RedisServer, timeout_s: float = 30.0) -> None:
+    """Ask fresh prompts until one's KV is in `server`, all of it (LMCache retries a lost
+    remote at most every 10 s, on its next use)."""
+    deadline = time.monotonic() + timeout_s
+    for seed in itertools.count(20_000):
+        ask(url, prompt(seed))
+        time.sleep(0.5)
+        if server.client().dbsize():
+            wait_for_keys(server, 2 * (HIT // CHUNK))
+            return
+        assert time.monotonic() < deadline, "LMCache did not reconnect to Redis"
+
+
 def test_redis_tier_across_processes_and_faults(tmp_path: Path, redis_server: RedisServer) -> None:
     remote = env(LMCACHE_LOCAL_CPU="False", LMCACHE_MAX_LOCAL_CPU_SIZE=0.1,
                  LMCACHE_REMOTE_URL=redis_server.url)
@@ -171,9 +185,10 @@ def test_redis_tier_across_processes_and_faults(tmp_path: Path, redis_server: Re
         evict(url, 4)
         assert ask(url, prompt(4)) == (answers[4], 0)
         redis_server.start()
-        time.sleep(12)  # LMCache reconnects at most every 10 s
+        wait_for_reconnect(url, redis_server)
+        stored = client.dbsize()
         first = ask(url, prompt(11))[0]
-        wait_for_keys(redis_server, 2 * (HIT // CHUNK))
+        wait_for_keys(redis_server, stored + 2 * (HIT // CHUNK))
         evict(url, 11)
         assert ask(url, prompt(11)) == (first, HIT)
     text = log.read_text()
