@@ -37,17 +37,20 @@ def pack_weights(q: torch.Tensor, bits: int) -> torch.Tensor:
     n, k = q.shape
     if k % GROUP_SIZE:
         raise ValueError(f"qgemm needs K % {GROUP_SIZE} == 0, got K = {k}")
-    groups = -(-n // LANES)
-    padded = torch.zeros(groups * LANES, k, dtype=torch.uint8)
-    padded[:n] = q
-    # [group, lane, block, step, byte] -> [group, block, step, lane, byte]
-    steps = padded.view(groups, LANES, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
-    if bits == 8:
-        return steps.reshape(groups, k // GROUP_SIZE, 512).contiguous()
-    if bits != 4:
+    if bits not in (4, 8):
         raise ValueError(f"qgemm packs 4- or 8-bit weights, not {bits}")
-    nibbles = steps[:, :, :4] | (steps[:, :, 4:] << 4)
-    return nibbles.reshape(groups, k // GROUP_SIZE, 256).contiguous()
+    groups, nb = -(-n // LANES), k // GROUP_SIZE
+    if n == groups * LANES:
+        padded = q.to(torch.uint8).contiguous()
+    else:
+        padded = torch.zeros(groups * LANES, k, dtype=torch.uint8)
+        padded[:n] = q
+    if bits == 4:  # byte j of a block holds elements j and j + 16 (GGUF's Q4 order)
+        halves = padded.view(groups * LANES, nb, 2, GROUP_SIZE // 2)
+        padded = halves[:, :, 0] | (halves[:, :, 1] << 4)
+    # [group, lane, block, step, byte] -> [group, block, step, lane, byte] (`bits` steps of 4 bytes)
+    steps = padded.view(groups, LANES, nb, bits, 4).permute(0, 2, 3, 1, 4)
+    return steps.reshape(groups, nb, 64 * bits).contiguous()
 
 
 def pack_scales(s: torch.Tensor) -> torch.Tensor:
