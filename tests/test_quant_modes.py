@@ -97,7 +97,8 @@ def test_layer_stack_equals_the_python_layers(llmq: LLM, quant: str) -> None:
     """GGUF weights run a step's decoder layers as one C++ call (`sous.models.llama_stack`):
     bit-identical to the Python layers, batched, with sampled logprobs; so are the stacks
     split at EAGLE-3's aux layers (which hand back the residual stream there). The first step
-    holds more tokens than the stack's MLP takes at once (256 rows), so its slicing is covered."""
+    holds more tokens than one sub-step of the stack (256), with the long prompt split across
+    two sub-steps."""
     model = llmq.engine.loaded.model
     if quant != "gguf" or qgemm_ops(CPU) is None:
         assert quant == "gguf" or model._layer_stacks(()) is None  # int8 linears: Python layers
