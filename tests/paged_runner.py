@@ -9,7 +9,7 @@ import torch
 from sous.config.load import LoadConfig
 from sous.config.model import ModelConfig
 from sous.engine.attention import AttentionMetadata
-from sous.engine.kv_cache.fp8 import with_cache_dtype
+from sous.engine.kv_cache.cache_dtype import with_cache_dtype
 from sous.models.loader import load_model
 
 CPU = torch.device("cpu")

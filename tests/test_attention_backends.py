@@ -10,7 +10,7 @@ import torch
 
 from paged_runner import MIXED_PLANS, PagedRunner, load_ours
 from sous.engine.attention import ATTENTION_ENV
-from sous.engine.kv_cache.fp8 import apply_kv_scales
+from sous.engine.kv_cache.cache_dtype import apply_kv_scales
 from sous.engine.ops.build import load
 from tiny_models import make_tiny_deepseek, make_tiny_llama, make_tiny_minimax_m2
 

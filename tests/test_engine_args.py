@@ -67,6 +67,7 @@ RECIPE_ARGS: list[tuple[list[str], bool]] = [
      True),
     (["--pipeline-parallel-size", "4"], True),
     (["--kv-cache-dtype", "fp8"], True),
+    (["--kv-cache-dtype", "bfloat16"], True),
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], True),
     (["--tool-call-parser", "minimax_m2"], True),
     (["--reasoning-parser", "minimax_m2"], True),

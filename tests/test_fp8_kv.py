@@ -1,4 +1,5 @@
-"""`--kv-cache-dtype fp8`: e4m3 KV cache with per-layer scales, against the model-dtype cache.
+"""`--kv-cache-dtype`: fp8 (e4m3 with per-layer scales, against the model-dtype cache), and
+what `auto` resolves to.
 
 The error is measured on tiny random checkpoints (chunked prefill then decode, so later tokens
 read every earlier token back from the fp8 cache): per token, max |logit difference| / max
@@ -9,13 +10,19 @@ larger error, where fp8 rounding flips a top-k expert choice. Observed (median /
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from paged_runner import PagedRunner
 from paged_runner import load_ours as _ours
 from sous import LLM, SamplingParams
-from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
+from sous.engine.kv_cache.cache_dtype import (
+    apply_kv_scales,
+    resolve_cache_dtype,
+    with_cache_dtype,
+)
 from tiny_models import make_tiny_llama, make_tiny_minimax_m2
 
 REL_BOUND = 1e-1
@@ -56,6 +63,21 @@ def test_spec_bytes_shrink() -> None:
     assert fp8.bytes_per_token * 2 == spec.bytes_per_token
     with pytest.raises(ValueError, match="fp4"):
         with_cache_dtype(spec, "fp4")
+    f32 = dataclasses.replace(spec, dtype=torch.float32)
+    assert with_cache_dtype(f32, "bfloat16").bytes_per_token * 2 == f32.bytes_per_token
+
+
+@pytest.mark.parametrize("flag,dtype,quant,act,want", [
+    ("auto", "auto", "gguf", torch.float32, "bfloat16"),  # the GGUF default without bf16 CPUs
+    ("auto", "auto", "gguf", torch.bfloat16, "auto"),
+    ("auto", "float32", "gguf", torch.float32, "auto"),  # an explicit --dtype stays exact
+    ("auto", "auto", None, torch.float32, "auto"),  # float checkpoints: the model dtype
+    ("auto", "auto", "int8", torch.float32, "auto"),
+    ("fp8", "auto", "gguf", torch.float32, "fp8"),
+])
+def test_auto_cache_dtype(flag: str, dtype: str, quant: str | None, act: torch.dtype,
+                          want: str) -> None:
+    assert resolve_cache_dtype(flag, dtype, quant, act) == want
 
 
 @pytest.mark.parametrize("arch", sorted(MAKERS))

@@ -1,7 +1,8 @@
 """The quantised modes on the bundled model: `--quantization int8` (int8 weights with dynamic
-per-token int8 activations, W8A8) and `--quantization gguf` (the exact Q4 weights times int8
-block activations on the qgemm kernel, or torch's int4 kernel without VNNI). Both must be batch-invariant: greedy output the same alone, batched, chunked
-and under preemption."""
+per-token int8 activations, W8A8) and the default (`--dtype auto`: the GGUF file's exact Q4
+weights times int8 block activations on the qgemm kernel, or torch's int4 kernel without VNNI;
+a bfloat16 KV cache where activations are float32). Both must be batch-invariant: greedy output
+the same alone, batched, chunked and under preemption."""
 
 from __future__ import annotations
 
@@ -48,10 +49,15 @@ def quant(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def quant_kwargs(quant: str) -> dict:
+    """`int8`: --dtype float32 --quantization int8; `gguf`: the default flags."""
+    return {"dtype": "float32", "quantization": "int8"} if quant == "int8" else {}
+
+
 @pytest.fixture(scope="module")
 def llmq(quant: str) -> LLM:
-    return LLM(dtype="float32", quantization=quant, max_model_len=512,
-               kv_cache_memory_bytes=128 << 20, max_num_seqs=32)
+    return LLM(**quant_kwargs(quant), max_model_len=512, kv_cache_memory_bytes=128 << 20,
+               max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +76,10 @@ def test_every_linear_is_quantized(llmq: LLM, quant: str) -> None:
         quantized = [m for m in model.modules() if isinstance(m, kernel)]
         assert quantized and all(getattr(m, "weight_t", None) is None for m in quantized)
         assert not any(isinstance(m, DenseLinear) for m in model.modules())
+        assert llmq.engine.loaded.quantization == "gguf"
+        # float32 activations (CPUs without bf16) keep a bfloat16 cache; bf16 ones their own
+        caches = llmq.engine.runner.kv_caches
+        assert caches and all(c.dtype == torch.bfloat16 for c in caches)
 
 
 def test_batched_equals_alone(llmq: LLM, aloneq: list[list[int]]) -> None:
@@ -78,7 +88,7 @@ def test_batched_equals_alone(llmq: LLM, aloneq: list[list[int]]) -> None:
 
 
 def test_chunked_prefill_equals_alone(quant: str, aloneq: list[list[int]]) -> None:
-    chunked = LLM(dtype="float32", quantization=quant, max_model_len=512,
+    chunked = LLM(**quant_kwargs(quant), max_model_len=512,
                   kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=5,
                   enable_prefix_caching=False)
     outs = chunked.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
@@ -86,7 +96,7 @@ def test_chunked_prefill_equals_alone(quant: str, aloneq: list[list[int]]) -> No
 
 
 def test_preemption_equals_alone(quant: str, aloneq: list[list[int]]) -> None:
-    tight = LLM(dtype="float32", quantization=quant, max_model_len=128,
+    tight = LLM(**quant_kwargs(quant), max_model_len=128,
                 num_gpu_blocks_override=11, enable_prefix_caching=False)
     outs = tight.generate(PROMPTS[:8], GREEDY, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0

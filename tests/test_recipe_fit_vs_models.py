@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sous.engine.kv_cache.fp8 import with_cache_dtype
+from sous.engine.kv_cache.cache_dtype import with_cache_dtype
 from sous.recipes.archs import ARCHS
 from sous.recipes.fit import kv_bytes_per_token
 from tiny_models import axk2_full_scale_config

@@ -19,7 +19,7 @@ class CacheConfig:
     in vLLM; not a flag). --kv-cache-memory-bytes takes precedence."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (testing)."""
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3"] = "auto"
     """KV cache dtype. `auto` uses the model dtype."""
     enable_prefix_caching: bool = True
     """Reuse the KV of identical prompt prefixes (full blocks)."""

@@ -130,12 +130,12 @@ class EngineCore:
         spec, cache = info.kv_cache_spec, config.cache
         token_bytes = _bytes_per_token(info)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %d B/token) on %s, "
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %d B/token, %s) on %s, "
             "from %s; max_model_len %d; engine ready in %.1f s",
             self.num_blocks, cache.block_size, (self.num_blocks - 1) * cache.block_size,
             self.num_blocks * token_bytes * cache.block_size / 2**30, token_bytes,
-            self.device, budget_source(cache, self.device), self.max_model_len,
-            time.monotonic() - start)
+            str(spec.dtype).removeprefix("torch."), self.device,
+            budget_source(cache, self.device), self.max_model_len, time.monotonic() - start)
         self.publisher = self._make_publisher(config)
         sub_block_size = resolve_sub_block_size(cache.block_size,
                                                 config.scheduler.max_num_batched_tokens,

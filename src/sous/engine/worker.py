@@ -23,7 +23,12 @@ from sous.config.engine import EngineConfig
 from sous.config.errors import ConfigError
 from sous.engine.cpu_threads import CpuBinding, apply_cpu_threads
 from sous.engine.dp.lockstep import expert_parallel_loading, log_expert_placement
-from sous.engine.kv_cache.fp8 import apply_kv_scales, with_cache_dtype
+from sous.engine.kv_cache.cache_dtype import (
+    FP8_NAMES,
+    apply_kv_scales,
+    resolve_cache_dtype,
+    with_cache_dtype,
+)
 from sous.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sous.engine.spec_decode.config import resolve_speculative_config
 from sous.engine.spec_decode.proposer import make_proposer
@@ -105,12 +110,14 @@ class Worker:
             self._join_pipeline(loaded)
         self._loaded = None
         self.loaded = loaded
-        cache = self.config.cache
-        spec = with_cache_dtype(loaded.model.kv_cache_spec(), cache.kv_cache_dtype)
-        if cache.kv_cache_dtype != "auto":
+        cache_dtype = resolve_cache_dtype(self.config.cache.kv_cache_dtype,
+                                          self.config.model.dtype, loaded.quantization,
+                                          loaded.dtype)
+        spec = with_cache_dtype(loaded.model.kv_cache_spec(), cache_dtype)
+        if cache_dtype in FP8_NAMES:
             n = apply_kv_scales(loaded.model, loaded.kv_scales)
             logger.info("KV cache dtype %s: %d per-layer scales from the checkpoint (others 1.0)",
-                        cache.kv_cache_dtype, n)
+                        cache_dtype, n)
         self.kv_cache_spec = spec
         self.spec_config = resolve_speculative_config(self.config.speculative_config)
         self.draft: Any = None
@@ -119,7 +126,7 @@ class Worker:
         if self.spec_config is not None and self.spec_config.use_eagle():
             self.draft, n_predict = self._load_drafter(loaded)
             self.spec_config = self.spec_config.with_draft_n_predict(n_predict)
-            draft_spec = with_cache_dtype(self.draft.kv_cache_spec(), cache.kv_cache_dtype)
+            draft_spec = with_cache_dtype(self.draft.kv_cache_spec(), cache_dtype)
         self.draft_kv_cache_spec = draft_spec
         return ModelInfo(
             tokenizer=loaded.tokenizer, hf_config=loaded.hf_config,

@@ -38,6 +38,20 @@ void check_rows(const at::Tensor& x, const char* what) {
               what, ": x must be 2-D float32 or bfloat16 with contiguous rows");
 }
 
+// sum(x[i]^2) in SS_LANES interleaved partial sums added up in a fixed order: the same value
+// whatever the vector width (the compiler vectorises the lanes), without a serial chain of adds.
+constexpr int64_t SS_LANES = 16;
+inline float sum_squares(const float* x, int64_t n) {
+  float acc[SS_LANES] = {};
+  int64_t i = 0;
+  for (; i + SS_LANES <= n; i += SS_LANES)
+    for (int64_t j = 0; j < SS_LANES; ++j) acc[j] += x[i + j] * x[i + j];
+  for (; i < n; ++i) acc[i % SS_LANES] += x[i] * x[i];
+  for (int64_t w = SS_LANES / 2; w > 0; w /= 2)
+    for (int64_t j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
+}
+
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w, double eps,
                    at::Tensor& out, at::Tensor& res_out) {
@@ -51,17 +65,16 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* res, const at::Tensor&
     std::vector<float> buf(h);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = xp + r * x.stride(0);
-      float ss = 0.f;
-      for (int64_t i = 0; i < h; ++i) {
-        float v = to_f(xr[i]);
-        if (rp != nullptr) {
-          v = round_t<T>(v + to_f(rp[r * res->stride(0) + i]));
-          ro[r * h + i] = from_f<T>(v);
+      for (int64_t i = 0; i < h; ++i) buf[i] = to_f(xr[i]);
+      if (rp != nullptr) {
+        const T* rr = rp + r * res->stride(0);
+        for (int64_t i = 0; i < h; ++i) {
+          buf[i] = round_t<T>(buf[i] + to_f(rr[i]));
+          ro[r * h + i] = from_f<T>(buf[i]);
         }
-        buf[i] = v;
-        ss += v * v;
       }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+      const float inv = 1.f / std::sqrt(sum_squares(buf.data(), h) / static_cast<float>(h) +
+                                        static_cast<float>(eps));
       T* orow = op + r * h;
       for (int64_t i = 0; i < h; ++i) {
         // float32: x * inv * w (one rounding); bfloat16: round(round(x * inv) * w), as eager

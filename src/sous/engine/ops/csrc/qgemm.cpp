@@ -78,6 +78,43 @@ inline __m512i quantize16(__m512 v, __m512 s, bool divide, int8_t* q) {
 }
 
 inline float amax16(__m512 v) { return _mm512_reduce_max_ps(_mm512_abs_ps(v)); }
+#elif defined(SOUS_QGEMM_AVX2)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+
+// max|x[0:n]| (n a multiple of 8): max is exact, so any order gives the scalar loop's value.
+template <typename T>
+float amax_n(const T* x, int64_t n) {
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, abs8(load8(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// q[0:32] = round-half-even(x[0:32] op s) (op: * or /, as the scalar forms; the MXCSR default
+// rounding is std::nearbyint's) as int8 (|values| <= 127); returns their exact sum.
+template <typename T>
+int32_t quantize32(const T* x, __m256 s, bool divide, int8_t* q) {
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256 v = load8(x + 8 * j);
+    i[j] = _mm256_cvtps_epi32(divide ? _mm256_div_ps(v, s) : _mm256_mul_ps(v, s));
+  }
+  // packs interleave the 128-bit lanes; the permute puts the 4-byte groups back in order.
+  const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+}
 #endif
 
 // Block mode: q = round(x * (1 / d)), d = max|x| / 127 per block of 32 (llama.cpp's Q8_1).
@@ -88,6 +125,8 @@ void quantize_blocks(const T* x, int64_t k, int8_t* q, float* d, float* s) {
 #ifdef SOUS_QGEMM_VNNI
     const __m512 lo = load16(xb), hi = load16(xb + 16);
     const float amax = std::fmax(amax16(lo), amax16(hi));
+#elif defined(SOUS_QGEMM_AVX2)
+    const float amax = amax_n(xb, QK);
 #else
     float amax = 0.f;
     for (int64_t i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(at_f32(xb, i)));
@@ -99,6 +138,8 @@ void quantize_blocks(const T* x, int64_t k, int8_t* q, float* d, float* s) {
     const __m512i sum = _mm512_add_epi32(quantize16(lo, vid, false, q + b * QK),
                                          quantize16(hi, vid, false, q + b * QK + 16));
     s[b] = db * static_cast<float>(_mm512_reduce_add_epi32(sum));
+#elif defined(SOUS_QGEMM_AVX2)
+    s[b] = db * static_cast<float>(quantize32(xb, _mm256_set1_ps(id), false, q + b * QK));
 #else
     int32_t sum = 0;
     for (int64_t i = 0; i < QK; ++i) {
@@ -120,6 +161,9 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
   int64_t i = 0;
 #ifdef SOUS_QGEMM_VNNI
   for (; i + 16 <= k; i += 16) amax = std::fmax(amax, amax16(load16(x + i)));
+#elif defined(SOUS_QGEMM_AVX2)
+  i = k / QK * QK;
+  if (i > 0) amax = amax_n(x, i);
 #endif
   for (; i < k; ++i) amax = std::fmax(amax, std::fabs(at_f32(x, i)));
   const float dr = amax > 0.f ? amax / 127.f : 1.f;
@@ -130,6 +174,8 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
   for (; i + 16 <= k; i += 16)
     acc = _mm512_add_epi32(acc, quantize16(load16(x + i), _mm512_set1_ps(dr), true, q + i));
   sum = _mm512_reduce_add_epi32(acc);
+#elif defined(SOUS_QGEMM_AVX2)
+  for (; i + QK <= k; i += QK) sum += quantize32(x + i, _mm256_set1_ps(dr), true, q + i);
 #endif
   for (; i < k; ++i) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(at_f32(x, i) / dr));
