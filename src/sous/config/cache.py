@@ -20,7 +20,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (testing)."""
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3"] = "auto"
-    """KV cache dtype. `auto` uses the model dtype."""
+    """KV cache dtype: auto, bfloat16, fp8 (= fp8_e4m3, with per-layer scales). `auto` uses
+    the model dtype, except for GGUF weights served quantised (the default for a GGUF file)
+    with float32 activations, whose cache is bfloat16."""
     enable_prefix_caching: bool = True
     """Reuse the KV of identical prompt prefixes (full blocks)."""
     enable_sub_block_cache: bool = True
