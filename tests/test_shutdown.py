@@ -123,6 +123,31 @@ def test_second_signal_exits_at_once(tmp_path: Path) -> None:
     assert "second signal" in log.read_text()
 
 
+def test_sigterm_as_soon_as_it_answers(tmp_path: Path) -> None:
+    """A signal right after the first answer (while start-up is still checking /health)
+    shuts down like any other: exit status 0, no traceback."""
+    log, port = tmp_path / "serve.log", free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sous.cli", "serve", "--max-model-len",
+                                 "1024", "--port", str(port)], stdout=out,
+                                stderr=subprocess.STDOUT, env=os.environ)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).is_success:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
 def test_load_probe_scaled_down(tmp_path: Path) -> None:
     """16 clients for ~10 s, a quarter of them hanging up mid-stream, then SIGTERM under
     load: no stream cut, no KV block leaked once idle, every stream not closed by its client

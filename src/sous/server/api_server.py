@@ -207,9 +207,10 @@ def run_server(engine_config: Any, server_config: ServerConfig | None = None) ->
     forced = False
     try:
         handle.start()
-        logger.info("Serving model %r (max_model_len=%d) on http://%s:%d",
-                    engine.served_model_name, engine.max_model_len, handle.host, handle.port)
-        engine.run_engine_loop()
+        if not handle.drain_requested:
+            logger.info("Serving model %r (max_model_len=%d) on http://%s:%d",
+                        engine.served_model_name, engine.max_model_len, handle.host, handle.port)
+        engine.run_engine_loop()  # returns at once when a signal's drain has stopped it
     except KeyboardInterrupt:
         forced = on_signal.count > 1
     finally:

@@ -55,6 +55,8 @@ class ServerHandle:
             timeout_graceful_shutdown=5))
         self._thread: threading.Thread | None = None
         self._drain_task: asyncio.Future | None = None
+        self.drain_requested = False
+        """Set by `begin_drain`: a server that stops after it has stopped on request."""
 
     def _serve(self) -> None:
         # A thread started by the engine's CPU-pinned thread inherits its one CPU: the front end
@@ -73,12 +75,16 @@ class ServerHandle:
         return self.url + "/v1"
 
     def start(self, timeout: float = 60.0) -> ServerHandle:
-        """Start serving; returns once /health answers 200 (raises TimeoutError otherwise)."""
+        """Start serving; returns once /health answers 200, or once the server has stopped
+        after `begin_drain` (a signal during start-up). Raises RuntimeError if the server
+        thread exits otherwise, TimeoutError if it is not healthy within `timeout`."""
         self._thread = threading.Thread(target=self._serve, name="sous-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self._thread.is_alive():
+                if self.drain_requested:
+                    return self
                 raise RuntimeError("The server thread exited during start-up.")
             if self._server.started:
                 try:
@@ -101,6 +107,7 @@ class ServerHandle:
             loop.call_soon_threadsafe(self._start_drain, timeout)
         except RuntimeError:  # the loop closed meanwhile
             return False
+        self.drain_requested = True
         return True
 
     def _start_drain(self, timeout: float) -> None:
