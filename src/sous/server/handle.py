@@ -16,7 +16,6 @@ import threading
 import time
 from typing import Any
 
-import httpx
 import uvicorn
 
 from sous.config.server import ServerConfig
@@ -75,7 +74,7 @@ class ServerHandle:
         return self.url + "/v1"
 
     def start(self, timeout: float = 60.0) -> ServerHandle:
-        """Start serving; returns once /health answers 200, or once the server has stopped
+        """Start serving; returns once /health would answer 200, or once the server has stopped
         after `begin_drain` (a signal during start-up). Raises RuntimeError if the server
         thread exits otherwise, TimeoutError if it is not healthy within `timeout`."""
         self._thread = threading.Thread(target=self._serve, name="sous-server", daemon=True)
@@ -86,13 +85,10 @@ class ServerHandle:
                 if self.drain_requested:
                     return self
                 raise RuntimeError("The server thread exited during start-up.")
-            if self._server.started:
-                try:
-                    if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.05)
+            # uvicorn sets `started` once it listens; then /health is the engine's health
+            if self._server.started and self.engine.is_healthy():
+                return self
+            time.sleep(0.01)
         self.stop()
         raise TimeoutError(f"The server did not become healthy within {timeout:.0f}s.")
 
