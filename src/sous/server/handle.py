@@ -55,7 +55,8 @@ class ServerHandle:
         self._thread: threading.Thread | None = None
         self._drain_task: asyncio.Future | None = None
         self.drain_requested = False
-        """Set by `begin_drain`: a server that stops after it has stopped on request."""
+        """Set by `begin_drain`: the server was asked to stop, so its thread ending during
+        `start` is not a start-up failure."""
 
     def _serve(self) -> None:
         # A thread started by the engine's CPU-pinned thread inherits its one CPU: the front end

@@ -107,7 +107,8 @@ int32_t quantize32(const T* x, __m256 s, bool divide, int8_t* q) {
     i[j] = _mm256_cvtps_epi32(divide ? _mm256_div_ps(v, s) : _mm256_mul_ps(v, s));
   }
   // packs interleave the 128-bit lanes; the permute puts the 4-byte groups back in order.
-  const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  const __m256i w =
+      _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
