@@ -43,7 +43,7 @@ EXISTING=(
   tests/test_llama.py::test_greedy_generation_matches_transformers_generate
   tests/test_minimax_m2.py::test_greedy_generation_matches_transformers_generate
   tests/test_deepseek.py::test_engine_greedy_and_logprobs_match_transformers
-  tests/test_fp8_kv.py::test_engine_with_fp8_cache_matches_model_dtype
+  tests/test_kv_cache_dtype.py::test_engine_with_fp8_cache_matches_model_dtype
   tests/test_quant_loaders.py::test_llm_greedy_fp8_equals_dense_reference
   tests/test_serve_architectures.py
   tests/test_bench.py::test_bench_serve_against_sous

@@ -4,7 +4,7 @@ A.X-K2 with an indexer keeping the top 8 of up to 48 positions).
 
 Tolerances: float32 logits within atol 1e-4 of transformers' (observed ~3e-6, logits up to ~7);
 engine logprobs within 1e-4; greedy generations identical; bf16 within 0.1 of the float32
-reference where the indexer selection cannot flip; fp8 KV cache as in test_fp8_kv.py.
+reference where the indexer selection cannot flip; fp8 KV cache as in test_kv_cache_dtype.py.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def test_fp8_kv_cache_close_to_model_dtype(ckpt):
     cache stays < 0.1 (observed ~0.01-0.025). With top-8 sparse selection on, fp8 keys flip
     near-tied choices of these tiny random indexers, so V3.2 / A.X-K2 are measured with the
     selection covering everything (observed 0.36 median for V3.2 otherwise)."""
-    from test_fp8_kv import chunked_logits, relative_error
+    from test_kv_cache_dtype import chunked_logits, relative_error
 
     arch, _, _, ours = ckpt
     ids = _ids(56, 5)
