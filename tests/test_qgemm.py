@@ -13,6 +13,7 @@ from sous.models.layers.qgemm_linear import (
     BlockQuantEmbedding,
     BlockQuantLinear,
     block_form,
+    packed_form,
     qgemm_ops,
 )
 from sous.models.loader_gguf import _group_quant
@@ -58,6 +59,26 @@ def test_block_kernel_matches_llama_cpp_arithmetic(qtype: str, m: int, k: int, n
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     exact = x @ w.dequantize().t() + bias  # the activation rounding costs little
     assert ((y - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_packing_gguf_bytes_equals_packing_unpacked_planes(qtype: str) -> None:
+    """The loader hands over the file's blocks; packing their bytes directly (row gathers and
+    concatenations included) gives exactly the buffers that unpacking to planes first gives."""
+    a, b = _gguf_weight(qtype, 40, 96, seed=1), _gguf_weight(qtype, 24, 96, seed=2)
+    assert a.blocks is not None
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(0))
+    direct = GroupQuantWeight.cat([a.permute_rows(perm), b])
+    assert direct.blocks is not None and direct.shape == (64, 96)
+    unpacked = GroupQuantWeight.cat([GroupQuantWeight(a.planes).permute_rows(perm),
+                                     GroupQuantWeight(b.planes)])
+    assert unpacked.blocks is None
+    torch.testing.assert_close(direct.dequantize(), unpacked.dequantize(), rtol=0, atol=0)
+    for x, y in zip(packed_form(direct), packed_form(unpacked), strict=True):
+        assert x == y if isinstance(x, int) else torch.equal(x, y)
+    lin_direct, lin_unpacked = BlockQuantLinear(direct), BlockQuantLinear(unpacked)
+    for name in ("packed", "scale", "min"):
+        assert torch.equal(getattr(lin_direct, name), getattr(lin_unpacked, name))
 
 
 def test_scales_are_float16_when_exact_else_float32() -> None:

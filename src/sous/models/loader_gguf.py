@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from sous.models.layers.gguf_blocks import BLOCK_BYTES, GgufBlocks
 from sous.models.layers.linear import AnyWeight, GroupQuantWeight
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
@@ -272,54 +273,15 @@ def eos_token_ids(reader: GGUFFile) -> list[int]:
 
 
 # ------------------------------------------------------------------ weights
-_F16 = np.dtype("<f2")
-
-
-def _blocks(data: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
-    return np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1, block_bytes)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """`[..., 16]` bytes -> `[..., 32]` values: low nibbles are elements 0-15, high 16-31.
-    In torch: on these strided 16-byte rows its loops run about 1.7x numpy's (start-up)."""
-    with warnings.catch_warnings():  # `qs` is a read-only file map; it is only read here
-        warnings.simplefilter("ignore", UserWarning)
-        src = torch.from_numpy(qs)
-    out = torch.empty((*qs.shape[:-1], 32), dtype=torch.uint8)
-    torch.bitwise_and(src, 0x0F, out=out[..., :16])
-    torch.bitwise_right_shift(src, 4, out=out[..., 16:])
-    return out.numpy()
-
-
 def _group_quant(data: np.ndarray, qtype: str, rows: int) -> GroupQuantWeight | None:
-    """The exact `GroupQuantWeight` of a Q4_0 / Q4_1 / Q8_0 matrix, else None."""
-
-    def out(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[torch.Tensor, ...]:
-        return (
-            torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1))),
-            torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-            torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)),
-        )
-
-    if qtype == "Q4_0":
-        b = _blocks(data, rows, 18)
-        d = b[..., :2].copy().view(_F16)[..., 0].astype(np.float32)
-        return GroupQuantWeight([out(_nibbles(b[..., 2:]), d, np.zeros_like(d))])  # type: ignore[list-item]
-    if qtype == "Q4_1":
-        b = _blocks(data, rows, 20)
-        d = b[..., :2].copy().view(_F16)[..., 0].astype(np.float32)
-        m = b[..., 2:4].copy().view(_F16)[..., 0].astype(np.float32)
-        return GroupQuantWeight([out(_nibbles(b[..., 4:]), d, m + 8.0 * d)])  # type: ignore[list-item]
-    if qtype == "Q8_0":
-        b = _blocks(data, rows, 34)
-        d = b[..., :2].copy().view(_F16)[..., 0].astype(np.float32)
-        q = b[..., 2:].view(np.int8)  # int8 arithmetic throughout: no wider temporaries
-        hi = ((q >> 4) + np.int8(8)).view(np.uint8)  # -8..7 -> 0..15
-        lo = (q & np.int8(0x0F)).view(np.uint8)
-        return GroupQuantWeight(
-            [out(hi, 16.0 * d, np.zeros_like(d)), out(lo, d, 8.0 * d)]  # type: ignore[list-item]
-        )
-    return None
+    """The exact `GroupQuantWeight` of a Q4_0 / Q4_1 / Q8_0 matrix (its blocks, read from the
+    file map as they are), else None."""
+    if qtype not in BLOCK_BYTES:
+        return None
+    with warnings.catch_warnings():  # `data` is a read-only file map; it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+    return GroupQuantWeight(blocks=GgufBlocks(raw.view(rows, -1, BLOCK_BYTES[qtype]), qtype))
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:

@@ -14,29 +14,46 @@ weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-GROUP_SIZE = 32
+from sous.models.layers.gguf_blocks import GROUP_SIZE, GgufBlocks, Plane
 
 
-@dataclass
 class GroupQuantWeight:
     """A weight `W[n, k] = sum_p (q_p[n, k] - 8) * scale_p[n, k // 32] + zero_p[n, k // 32]`
     with `q_p` in 0..15: the exact form of GGUF Q4_0/Q4_1 (one plane) and Q8_0 (two planes).
-    Loaders hand these to `load_weights` instead of a dense tensor when the 4-bit path is on."""
+    Loaders hand these to `load_weights` instead of a dense tensor when the 4-bit path is on.
 
-    planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    """`(q uint8 [N, K], scale float32 [N, K/32], zero float32 [N, K/32])` per plane."""
-    dense_fallback: bool = False
-    """Also keep a dense copy for large batches (prefill), where dense MKL beats the int4
-    kernel (which scales linearly with rows)."""
+    Built from `planes`, or from the file's own bytes (`blocks`, `GgufBlocks`): then `planes`
+    is unpacked from them on first use, and kernels that read GGUF blocks take `blocks` as they
+    are (row gathers and concatenations stay byte copies)."""
+
+    def __init__(self, planes: list[Plane] | None = None, dense_fallback: bool = False,
+                 blocks: GgufBlocks | None = None) -> None:
+        if (planes is None) == (blocks is None):
+            raise ValueError("GroupQuantWeight takes planes or blocks")
+        self._planes = planes
+        self.blocks = blocks
+        self.dense_fallback = dense_fallback
+        """Also keep a dense copy for large batches (prefill), where dense MKL beats the int4
+        kernel (which scales linearly with rows)."""
+
+    @property
+    def planes(self) -> list[Plane]:
+        """`(q uint8 [N, K], scale float32 [N, K/32], zero float32 [N, K/32])` per plane."""
+        if self._planes is None:
+            assert self.blocks is not None
+            self._planes = self.blocks.planes()
+        return self._planes
 
     @property
     def shape(self) -> torch.Size:
-        return self.planes[0][0].shape
+        return self.blocks.shape if self.blocks is not None else self.planes[0][0].shape
+
+    @property
+    def num_planes(self) -> int:
+        return self.blocks.num_planes if self.blocks is not None else len(self.planes)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense `[N, K]` weight (float32 arithmetic, then cast)."""
@@ -49,17 +66,23 @@ class GroupQuantWeight:
         return out.reshape(self.shape).to(dtype)
 
     def permute_rows(self, index: torch.Tensor) -> GroupQuantWeight:
+        if self.blocks is not None:
+            return GroupQuantWeight(None, self.dense_fallback, self.blocks.take_rows(index))
         planes = [(q[index], s[index], z[index]) for q, s, z in self.planes]
         return GroupQuantWeight(planes, self.dense_fallback)
 
     @staticmethod
     def cat(weights: list[GroupQuantWeight]) -> GroupQuantWeight:
         """Stack along the output dimension (all with the same number of planes)."""
-        n = len(weights[0].planes)
+        fallback = all(w.dense_fallback for w in weights)
+        blocks = [w.blocks for w in weights]
+        if all(b is not None for b in blocks) and len({b.qtype for b in blocks}) == 1:  # type: ignore[union-attr]
+            return GroupQuantWeight(None, fallback, GgufBlocks.cat(blocks))  # type: ignore[arg-type]
+        n = weights[0].num_planes
         planes = [
             tuple(torch.cat([w.planes[p][j] for w in weights]) for j in range(3)) for p in range(n)
         ]
-        return GroupQuantWeight(planes, all(w.dense_fallback for w in weights))  # type: ignore[arg-type]
+        return GroupQuantWeight(planes, fallback)  # type: ignore[arg-type]
 
 
 AnyWeight = torch.Tensor | GroupQuantWeight
@@ -156,7 +179,7 @@ def make_linear(
     if biases is not None:
         bias = torch.cat([b.to(device=device, dtype=dtype) for b in biases])
     qs = [w for w in weights if isinstance(w, GroupQuantWeight)]
-    if len(qs) == len(weights) and len({len(w.planes) for w in qs}) == 1:
+    if len(qs) == len(weights) and len({w.num_planes for w in qs}) == 1:
         from sous.models.layers.qgemm_linear import BlockQuantLinear, qgemm_ops
 
         fused = GroupQuantWeight.cat(qs)

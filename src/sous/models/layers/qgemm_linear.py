@@ -39,18 +39,25 @@ def pack_weights(q: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"qgemm needs K % {GROUP_SIZE} == 0, got K = {k}")
     if bits not in (4, 8):
         raise ValueError(f"qgemm packs 4- or 8-bit weights, not {bits}")
-    groups, nb = -(-n // LANES), k // GROUP_SIZE
-    if n == groups * LANES:
-        padded = q.to(torch.uint8).contiguous()
-    else:
-        padded = torch.zeros(groups * LANES, k, dtype=torch.uint8)
-        padded[:n] = q
+    nb = k // GROUP_SIZE
+    q = q.to(torch.uint8).view(n, nb, GROUP_SIZE)
     if bits == 4:  # byte j of a block holds elements j and j + 16 (GGUF's Q4 order)
-        halves = padded.view(groups * LANES, nb, 2, GROUP_SIZE // 2)
-        padded = halves[:, :, 0] | (halves[:, :, 1] << 4)
-    # [group, lane, block, step, byte] -> [group, block, step, lane, byte] (`bits` steps of 4 bytes)
-    steps = padded.view(groups, LANES, nb, bits, 4).permute(0, 2, 3, 1, 4)
-    return steps.reshape(groups, nb, 64 * bits).contiguous()
+        q = q[..., :GROUP_SIZE // 2] | (q[..., GROUP_SIZE // 2:] << 4)
+    return _interleave_lanes(q, bits)
+
+
+def _interleave_lanes(block_bytes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`[N, K / 32, 4 * bits]` bytes per block -> `[ceil(N / 16), K / 32, 64 * bits]`: rows in
+    groups of 16 lanes, each block's bytes in `bits` steps of 4 bytes, lane-interleaved."""
+    n, nb, _ = block_bytes.shape
+    groups = -(-n // LANES)
+    if n != groups * LANES:
+        padded = torch.zeros(groups * LANES, nb, 4 * bits, dtype=torch.uint8)
+        padded[:n] = block_bytes
+        block_bytes = padded
+    # 4-byte words [group, lane, block, step] -> [group, block, step, lane]
+    words = block_bytes.contiguous().view(torch.int32).view(groups, LANES, nb, bits)
+    return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(groups, nb, 64 * bits)
 
 
 def pack_scales(s: torch.Tensor) -> torch.Tensor:
@@ -66,14 +73,35 @@ def block_form(weight: GroupQuantWeight) -> tuple[torch.Tensor, torch.Tensor, to
     """`(q, scale, min, bits)` with `W = q * scale + min` per block, from the planes of a GGUF
     Q4_0/Q4_1 (one plane, 4 bits) or Q8_0 (two planes whose scales differ by 16, 8 bits)."""
     planes = weight.planes
-    mins = sum((z - 8.0 * s) for _, s, z in planes)
+    scale, mins = _scale_and_min([(s, z) for _, s, z in planes])
     if len(planes) == 1:
-        q, scale, _ = planes[0]
-        return q, scale, mins, 4
-    if len(planes) != 2 or not torch.equal(planes[0][1], 16.0 * planes[1][1]):
+        return planes[0][0], scale, mins, 4
+    (hi, _, _), (lo, _, _) = planes
+    return hi.mul(16).add_(lo), scale, mins, 8  # <= 15 * 16 + 15: exact in uint8
+
+
+def _scale_and_min(planes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """Per-block `(scale, min)` of one 4-bit plane or a Q8_0 pair (`(scale, zero)` each)."""
+    mins = sum((z - 8.0 * s) for s, z in planes)
+    if len(planes) == 1:
+        return planes[0][0], mins
+    if len(planes) != 2 or not torch.equal(planes[0][0], 16.0 * planes[1][0]):
         raise ValueError("qgemm takes one 4-bit plane or a Q8_0 pair of planes")
-    (hi, _, _), (lo, s_lo, _) = planes
-    return hi.mul(16).add_(lo), s_lo, mins, 8  # <= 15 * 16 + 15: exact in uint8
+    return planes[1][0], mins
+
+
+def packed_form(weight: GroupQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """`(packed, scale, min, bits)`: `pack_weights(block_form(weight))`. A weight that holds
+    its GGUF blocks is packed from their bytes (the same bytes, moved: no unpacking)."""
+    blocks = weight.blocks
+    if blocks is None:
+        q, scale, mins, bits = block_form(weight)
+        return pack_weights(q, bits), scale, mins, bits
+    scale, mins = _scale_and_min(blocks.scales_and_zeros())
+    q = blocks.quants()
+    if blocks.qtype == "Q8_0":  # int8 q -> q + 128 = (high nibble + 8) * 16 + low nibble
+        return _interleave_lanes(q.view(torch.uint8) ^ 0x80, 8), scale, mins, 8
+    return _interleave_lanes(q, 4), scale, mins, 4
 
 
 def compact_scales(scale: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +125,8 @@ class BlockQuantLinear(nn.Module):
         self.ops = qgemm_ops(CPU)
         if self.ops is None:
             raise RuntimeError("BlockQuantLinear needs the C++ qgemm kernel (AVX-512 VNNI or AVX2)")
-        q, scale, mins, self.bits = block_form(weight)
-        self.register_buffer("packed", pack_weights(q, self.bits))
+        packed, scale, mins, self.bits = packed_form(weight)
+        self.register_buffer("packed", packed)
         scale, mins = compact_scales(scale, mins)
         self.register_buffer("scale", pack_scales(scale))
         self.register_buffer("min", pack_scales(mins))
