@@ -147,7 +147,7 @@ def dense_bytes(reader: GGUFFile, dtype: torch.dtype) -> int:
     return sum(t.n_elements for t in reader.tensors) * elem
 
 
-GROUP_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+GROUP_QUANT_TYPES = tuple(BLOCK_BYTES)
 """GGUF matrix types sous can keep quantised (`_group_quant`)."""
 
 

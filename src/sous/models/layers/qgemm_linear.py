@@ -3,9 +3,9 @@ numerics (block-quantised weights times activations quantised to int8 per block 
 
 The kernel (`engine/ops/csrc/qgemm.cpp`) runs on AVX-512 VNNI or AVX2 (bit-identical
 results); `qgemm_ops` says whether this machine has either (elsewhere `make_linear` keeps
-torch's int4 kernel). Weights are packed
-once at load (`pack_weights`): output rows in groups of 16, interleaved in 4-byte steps so one
-`vpdpbusd` advances 16 rows at once. The same layout carries the per-channel int8 weights of
+torch's int4 kernel). Weights are packed once at load (`packed_form`: a GGUF file's blocks
+as they are, else `pack_weights`): output rows in groups of 16, interleaved in 4-byte steps so
+one `vpdpbusd` advances 16 rows at once. The same layout carries the per-channel int8 weights of
 `--quantization int8` (`Int8Linear`), whose kernel `qgemm_i8` sums over all of K in int32.
 """
 
@@ -40,7 +40,7 @@ def pack_weights(q: torch.Tensor, bits: int) -> torch.Tensor:
     if bits not in (4, 8):
         raise ValueError(f"qgemm packs 4- or 8-bit weights, not {bits}")
     nb = k // GROUP_SIZE
-    q = q.to(torch.uint8).view(n, nb, GROUP_SIZE)
+    q = q.to(torch.uint8).reshape(n, nb, GROUP_SIZE)
     if bits == 4:  # byte j of a block holds elements j and j + 16 (GGUF's Q4 order)
         q = q[..., :GROUP_SIZE // 2] | (q[..., GROUP_SIZE // 2:] << 4)
     return _interleave_lanes(q, bits)
