@@ -83,3 +83,15 @@ def test_off_and_unwritable(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv(gt.CACHE_ENV)
     (cache_home / "sous").write_text("a file where the cache folder would be")
     assert gt.load_tokenizer(path).encode(TEXTS[1])  # cannot cache: still loads
+
+
+def test_module_caches_the_bundled_tokenizer_and_names_a_missing_file(
+        cache_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gt.main([])
+    where = gt.cache_dir(bundled_gguf_path())
+    assert where is not None and (where / "tokenizer.json").is_file()
+    assert str(where) in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        gt.main([str(cache_home / "missing.gguf")])
+    assert exc.value.code == 2
+    assert "missing.gguf: no such GGUF file" in capsys.readouterr().err

@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     for name in args or [str(bundled_gguf_path())]:
+        if not Path(name).is_file():
+            print(f"python -m sous.models.gguf_tokenizer: {name}: no such GGUF file",
+                  file=sys.stderr)
+            raise SystemExit(2)
         where = cache_dir(Path(name))
         load_tokenizer(Path(name))
         print(f"tokenizer of {name}: {where if where is not None else 'not cached (cache off)'}")
