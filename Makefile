@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml build-constraints.txt Makefile src/sous/engine/ops/buil
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "apt-get install:$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	PIP_CONSTRAINT=$(CURDIR)/build-constraints.txt $(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'

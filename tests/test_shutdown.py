@@ -78,6 +78,21 @@ async def stream(client: httpx.AsyncClient, max_tokens: int, flowing: asyncio.Ev
     return {"finish_reason": finish, "done_last": done and events[-1] == "[DONE]"}
 
 
+async def status_once_draining(client: httpx.AsyncClient, within_s: float = 10.0) -> int:
+    """The status of `GET /v1/models` once the server has taken the signal (polled: on a
+    loaded machine the handler may run a while after `send_signal`); -1 if it closed the
+    connection instead."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            status = (await client.get("/v1/models")).status_code
+        except httpx.TransportError:
+            return -1
+        if status != 200 or time.monotonic() > deadline:
+            return status
+        await asyncio.sleep(0.1)
+
+
 async def streams_then_sigterm(url: str, proc: subprocess.Popen, lengths: list[int],
                                second_signal_after: float | None = None) -> tuple[list, int]:
     """Start one stream per entry of `lengths`; SIGTERM once all flow (a second one after
@@ -88,11 +103,7 @@ async def streams_then_sigterm(url: str, proc: subprocess.Popen, lengths: list[i
                                                                             strict=True)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flowing)), 60)
         proc.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
-        try:
-            status = (await client.get("/v1/models")).status_code
-        except httpx.TransportError:
-            status = -1
+        status = await status_once_draining(client)
         if second_signal_after is not None:
             await asyncio.sleep(second_signal_after)
             proc.send_signal(signal.SIGTERM)

@@ -55,7 +55,7 @@ step_apt() {
   if [ -n "$missing" ]; then
     log "apt-get install:$missing"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
   else
     log "apt: cmake, make, g++ and venv are there"
   fi
