@@ -86,11 +86,16 @@ def test_off_and_unwritable(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_module_caches_the_bundled_tokenizer_and_names_a_missing_file(
-        cache_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        cache_home: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     gt.main([])
     where = gt.cache_dir(bundled_gguf_path())
     assert where is not None and (where / "tokenizer.json").is_file()
     assert str(where) in capsys.readouterr().out
+    monkeypatch.setenv(gt.CACHE_ENV, "0")
+    gt.main([])
+    assert "not cached" in capsys.readouterr().out
+    monkeypatch.delenv(gt.CACHE_ENV)
     with pytest.raises(SystemExit) as exc:
         gt.main([str(cache_home / "missing.gguf")])
     assert exc.value.code == 2

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,6 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m sous.models.gguf_tokenizer [GGUF ...]`: convert and cache the tokenizers of
     the given files (default: the bundled model's), so that a first start finds them cached
     (`make setup` runs it)."""
-    import sys
-
     from sous.models.bundled import bundled_gguf_path
 
     args = sys.argv[1:] if argv is None else argv
@@ -115,9 +114,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"python -m sous.models.gguf_tokenizer: {name}: no such GGUF file",
                   file=sys.stderr)
             raise SystemExit(2)
-        where = cache_dir(Path(name))
         load_tokenizer(Path(name))
-        print(f"tokenizer of {name}: {where if where is not None else 'not cached (cache off)'}")
+        where = cache_dir(Path(name))
+        cached = where is not None and (where / "tokenizer.json").is_file()
+        print(f"tokenizer of {name}: {where if cached else 'not cached (cache off or unwritable)'}")
 
 
 if __name__ == "__main__":
