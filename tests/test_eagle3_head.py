@@ -16,6 +16,8 @@ from paged_runner import CPU, load_ours
 from sous.config.errors import ConfigError
 from sous.draft.eagle3_head import Eagle3Head, HeadConfig
 from sous.engine.attention import AttentionMetadata
+from sous.models.layers.int8_linear import Int8Linear
+from sous.models.layers.qgemm_linear import qgemm_ops
 from sous.models.llama_eagle3 import load_eagle3_draft
 from tiny_models import make_tiny_llama, tiny_llama_config
 
@@ -76,6 +78,36 @@ def test_paged_head_equals_the_training_head_step_by_step(target, tmp_path: Path
                                    rtol=1e-4)
     got = draft.draft_argmax(normed)
     assert int(got) == int(head.d2t[want[2][p].argmax()] + want[2][p].argmax())
+
+
+@torch.inference_mode()
+def test_int8_head_swaps_only_its_own_linears_and_stays_close(target, tmp_path: Path) -> None:
+    """`int8=True` (what the worker asks for under a quantised target): where the qgemm kernel
+    runs, every linear of the head is W8A8 and its logits stay within int8 rounding of the
+    float head's; the target's modules are left as they were."""
+    model, hf = target
+    write_head(tmp_path / "head", hf)
+    plain, _ = load_eagle3_draft(str(tmp_path / "head"), model, hf, CPU)
+    before = [(name, type(m)) for name, m in model.named_modules()]
+    q, _ = load_eagle3_draft(str(tmp_path / "head"), model, hf, CPU, int8=True)
+    assert [(name, type(m)) for name, m in model.named_modules()] == before
+    assert not plain.int8 and q.int8 == (qgemm_ops(CPU) is not None)
+    if not q.int8:
+        pytest.skip("no qgemm kernel on this CPU: the head stays dense")
+    attn, mlp = q.layer.self_attn, q.layer.mlp
+    linears = [q.fc, q.lm_head, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    assert all(isinstance(m, Int8Linear) for m in linears)
+    torch.manual_seed(2)
+    t, bs, table = 20, 8, [3, 1, 6]
+    tokens = torch.randint(hf.vocab_size, (t,))
+    aux = list(torch.randn(t, 3 * hf.hidden_size).chunk(3, -1))
+    logits = []
+    for head in (plain, q):
+        cache = head.kv_cache_spec().allocate(8, bs, CPU)[0]
+        m = meta(t, t, table, bs)
+        normed, _ = head.forward(tokens, m.positions, head.combine_hidden_states(aux), cache, m)
+        logits.append(head.lm_head.forward(normed).float())
+    assert float((logits[1] - logits[0]).norm() / logits[0].norm()) < 0.05
 
 
 def _edit(folder: Path, config: dict | None = None, drop: str | None = None,

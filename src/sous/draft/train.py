@@ -189,7 +189,7 @@ def train(args: argparse.Namespace) -> Path:
         opt.step()
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs))
         if step % args.save_every == 0 or step == args.max_steps:
             _save(head, opt, step, args, state_path)
     bar.close()

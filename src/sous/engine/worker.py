@@ -173,10 +173,11 @@ class Worker:
             raise ConfigError(f"--speculative-config: method 'eagle3' needs a Llama-family "
                               f"target; {type(loaded.model).__name__} returns no aux hidden "
                               "states")
+        int8 = loaded.quantization in ("gguf", "int8")
         draft, self.aux_layers = load_eagle3_draft(spec.model, loaded.model, loaded.hf_config,
-                                                   self.device)
-        logger.info("EAGLE-3 draft head %s: reads the target's layers %s", spec.model,
-                    list(self.aux_layers))
+                                                   self.device, int8=int8)
+        logger.info("EAGLE-3 draft head %s: reads the target's layers %s%s", spec.model,
+                    list(self.aux_layers), "; int8 linears" if draft.int8 else "")
         return draft, getattr(draft.config, "n_predict", None)
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:

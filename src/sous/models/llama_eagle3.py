@@ -33,8 +33,10 @@ from sous.config.errors import ConfigError
 from sous.engine.attention import AttentionMetadata
 from sous.engine.kv_cache.spec import KVCacheSpec
 from sous.models.layers.embedding import make_embedding
+from sous.models.layers.int8_linear import quantize_linears
 from sous.models.layers.linear import make_linear
 from sous.models.layers.norm import RMSNorm
+from sous.models.layers.qgemm_linear import qgemm_ops
 from sous.models.layers.rotary import RotaryEmbedding
 from sous.models.llama import LlamaAttention, LlamaMLP, _interleave
 
@@ -93,6 +95,8 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = None
         self.d2t: torch.Tensor | None = None
         """Draft id -> target id (absolute ids, not the checkpoint's offsets); None: same."""
+        self.int8 = False
+        """Whether the linears are W8A8 `Int8Linear`s (`load_eagle3_draft`)."""
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(num_layers=1, num_kv_heads=self.num_kv_heads,
@@ -234,9 +238,16 @@ def read_draft_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_eagle3_draft(folder: str, target: nn.Module, target_config: Any,
-                      device: torch.device) -> tuple[Eagle3LlamaForCausalLM, tuple[int, ...]]:
+                      device: torch.device, int8: bool = False,
+                      ) -> tuple[Eagle3LlamaForCausalLM, tuple[int, ...]]:
     """(the draft head on `device` in the target's dtype, the target layers whose aux hidden
-    states it reads). ConfigError naming the field when the folder does not fit the target."""
+    states it reads). ConfigError naming the field when the folder does not fit the target.
+
+    `int8` (asked for when the target itself runs quantised): the head's linears run as W8A8
+    `Int8Linear`s where the CPU has the qgemm kernel (`draft.int8` says whether they do).
+    Drafts are only proposals, so this changes which drafts are accepted, never the output;
+    for a one-stream decode step a bfloat16 `torch.mm` of the head's `[1, H]` rows costs
+    several times the int8 kernel."""
     path = Path(folder).expanduser()
     raw = read_draft_config(path)
     layers = raw.get("num_hidden_layers", 1)
@@ -269,4 +280,6 @@ def load_eagle3_draft(folder: str, target: nn.Module, target_config: Any,
     dtype = target.dtype
     draft = Eagle3LlamaForCausalLM(cfg, dtype, device)
     draft.load_weights(weights, target, target_config.vocab_size)
+    if int8 and qgemm_ops(device) is not None:
+        draft.int8 = quantize_linears(draft) > 0
     return draft, aux
