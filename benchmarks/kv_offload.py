@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from sous.bench.client import Target, first_model, make_client, stream_request
 from sous.bench.prompts import WORDS
@@ -118,7 +118,7 @@ class PromptMaker:
 
 # --- one streamed request -------------------------------------------------------------------
 
-async def ask(client: httpx.AsyncClient, target: Target, prompt: str) -> dict[str, Any]:
+async def ask(client: aiohttp.ClientSession, target: Target, prompt: str) -> dict[str, Any]:
     """One streamed request: TTFT (s) to the first chunk carrying text, prompt and cached
     tokens from the usage."""
     result = await stream_request(client, target, prompt)

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import pytest
+from aiohttp import web
 
 from conftest import BUNDLED_GGUF, bundled_model_dir
 from serve_process import sous_serve
-from sous.bench.client import RequestResult, Target, normalize_base_url, stream_request
+from sous.bench.client import (
+    RequestResult,
+    Target,
+    make_client,
+    normalize_base_url,
+    stream_request,
+)
 from sous.bench.prompts import make_prompts
 from sous.bench.serve import main as bench_main
 from sous.bench.stats import distribution, percentile, summarize_level
@@ -30,55 +38,100 @@ def _sse(events: list[dict | str]) -> bytes:
                     for e in events)
 
 
-def _run(target: Target, handler) -> RequestResult:  # noqa: ANN001
+Handler = Callable[[str, dict], tuple[int, bytes]]
+
+
+def _run(target: Target, handler: Handler) -> RequestResult:
+    """`stream_request` against a real local HTTP server (aiohttp) that answers each POST
+    with `handler(path, json_body) -> (status, body)`, the body sent in 7-byte writes so
+    that SSE lines arrive split across reads."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        status, body = handler(request.path, await request.json())
+        sse = body.startswith(b"data:")
+        resp = web.StreamResponse(status=status, headers={
+            "Content-Type": "text/event-stream" if sse else "application/json"})
+        await resp.prepare(request)
+        for i in range(0, len(body), 7):
+            await resp.write(body[i:i + 7])
+        await resp.write_eof()
+        return resp
+
     async def go() -> RequestResult:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await stream_request(client, target, "hello")
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            async with make_client(base, None, 1) as client:
+                return await stream_request(client, replace(target, base_url=base), "hello")
+        finally:
+            await runner.cleanup()
     return asyncio.run(go())
 
 
 def test_chat_stream_with_usage() -> None:
-    seen: list[dict] = []
+    seen: list[tuple[str, dict]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(json.loads(request.content))
+    def handler(path: str, body: dict) -> tuple[int, bytes]:
+        seen.append((path, body))
         events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
                   *({"choices": [{"delta": {"content": f" w{i}"}}]} for i in range(3)),
                   {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}},
                   "[DONE]"]
-        return httpx.Response(200, content=_sse(events))
+        return 200, _sse(events)
 
     r = _run(Target("http://x", "m", max_tokens=4), handler)
     assert r.ok and r.output_tokens == 4 and r.prompt_tokens == 9 and r.text == " w0 w1 w2"
     assert r.ttft_s is not None and len(r.itl_s) == 2 and r.tpot_s is not None
-    body = seen[0]
+    path, body = seen[0]
+    assert path == "/v1/chat/completions"
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["temperature"] == 0.0 and body["max_tokens"] == 4
     assert body["messages"] == [{"role": "user", "content": "hello"}]
 
 
 def test_completions_stream_counts_chunks_without_usage() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/v1/completions"
-        assert json.loads(request.content)["prompt"] == "hello"
-        return httpx.Response(200, content=_sse([{"choices": [{"text": "a"}]},
-                                                 {"choices": [{"text": "b"}]}, "[DONE]"]))
+    def handler(path: str, body: dict) -> tuple[int, bytes]:
+        assert path == "/v1/completions" and body["prompt"] == "hello"
+        return 200, _sse([{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}, "[DONE]"])
 
     r = _run(Target("http://x", "m", endpoint="completions", ignore_eos=False), handler)
     assert r.ok and r.output_tokens == 2 and r.text == "ab"
 
 
-def test_http_error_and_non_streamed() -> None:
-    r = _run(Target("http://x", "m"), lambda req: httpx.Response(404, json={"error": "nope"}))
-    assert not r.ok and r.error is not None and "HTTP 404" in r.error
+def test_http_error_stream_error_and_non_streamed() -> None:
+    r = _run(Target("http://x", "m"), lambda path, body: (404, b'{"error": "nope"}'))
+    assert not r.ok and r.error is not None and "HTTP 404" in r.error and "nope" in r.error
 
-    def whole(request: httpx.Request) -> httpx.Response:
-        assert "stream_options" not in json.loads(request.content)
-        return httpx.Response(200, json={"choices": [{"message": {"content": "hi"}}],
-                                         "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+    r = _run(Target("http://x", "m"), lambda path, body: (200, _sse(
+        [{"choices": [{"delta": {"content": "a"}}]}, {"error": {"message": "boom"}}])))
+    assert not r.ok and r.error is not None and "boom" in r.error
+
+    def whole(path: str, body: dict) -> tuple[int, bytes]:
+        assert "stream_options" not in body
+        return 200, json.dumps({"choices": [{"message": {"content": "hi"}}],
+                                "usage": {"prompt_tokens": 3, "completion_tokens": 5}}).encode()
 
     r = _run(Target("http://x", "m", stream=False), whole)
     assert r.ok and r.output_tokens == 5 and r.text == "hi" and r.ttft_s is None
+
+
+def test_no_server_is_an_error_result() -> None:
+    """Nothing listening: `ok=False` with the connection error, no exception."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+
+    async def go() -> RequestResult:
+        async with make_client(base, None, 1) as client:
+            return await stream_request(client, Target(base, "m"), "hello")
+    r = asyncio.run(go())
+    assert not r.ok and r.error is not None and "Connect" in r.error
 
 
 def test_figures() -> None:

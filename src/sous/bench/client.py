@@ -1,7 +1,10 @@
-"""A light streaming client for OpenAI-compatible servers: raw SSE over httpx.
+"""A light streaming client for OpenAI-compatible servers: raw SSE over aiohttp (the HTTP
+client of vLLM's `benchmark_serving`).
 
-Lighter than the `openai` client on purpose: the server under test may share the
-same few CPU cores, so the load generator should spend as little CPU as it can.
+Lighter than the `openai` client on purpose: the server under test may share the same few
+CPU cores, so the load generator should spend as little CPU as it can. aiohttp's C parser
+costs less than half the CPU of httpx for the same streams (16 streams of 128 tokens: 0.10 s
+against 0.23 s).
 """
 
 from __future__ import annotations
@@ -9,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 __all__ = [
     "RequestResult",
@@ -102,26 +105,25 @@ def normalize_base_url(url: str) -> str:
 
 
 def make_client(base_url: str, api_key: str | None, concurrency: int,
-                timeout_s: float = 600.0) -> httpx.AsyncClient:
-    """An AsyncClient with enough connections for `concurrency`; proxies are ignored for
-    loopback servers."""
+                timeout_s: float = 600.0) -> aiohttp.ClientSession:
+    """A session with enough connections for `concurrency`; proxies are ignored for loopback
+    servers. Create it inside the event loop that uses it (`async with make_client(...)`)."""
     host = urlsplit(base_url).hostname or ""
     loopback = host in ("localhost", "::1") or host.startswith("127.")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.AsyncClient(
+    return aiohttp.ClientSession(
         headers=headers,
-        timeout=httpx.Timeout(timeout_s, connect=30.0),
-        limits=httpx.Limits(max_connections=concurrency + 2,
-                            max_keepalive_connections=concurrency + 2),
+        timeout=aiohttp.ClientTimeout(total=timeout_s, connect=30.0),
+        connector=aiohttp.TCPConnector(limit=concurrency + 2),
         trust_env=not loopback,
     )
 
 
-async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def first_model(client: aiohttp.ClientSession, base_url: str) -> str:
     """The id of the first model listed by `/v1/models`."""
-    resp = await client.get(f"{base_url}/v1/models")
-    resp.raise_for_status()
-    data = resp.json().get("data") or []
+    async with client.get(f"{base_url}/v1/models") as resp:
+        resp.raise_for_status()
+        data = (await resp.json()).get("data") or []
     if not data:
         raise RuntimeError(f"{base_url}/v1/models lists no model")
     return str(data[0]["id"])
@@ -135,13 +137,15 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
             or delta.get("reasoning") or "")
 
 
-async def _whole_request(client: httpx.AsyncClient, target: Target, prompt: str,
+async def _whole_request(client: aiohttp.ClientSession, target: Target, prompt: str,
                          start: float) -> RequestResult:
-    resp = await client.post(target.url, json=target.payload(prompt))
+    async with client.post(target.url, json=target.payload(prompt)) as resp:
+        if resp.status != 200:
+            body = await resp.text(errors="replace")
+            return RequestResult(False, time.perf_counter() - start,
+                                 error=f"HTTP {resp.status}: {body[:300]}")
+        obj = await resp.json(content_type=None)
     e2e = time.perf_counter() - start
-    if resp.status_code != 200:
-        return RequestResult(False, e2e, error=f"HTTP {resp.status_code}: {resp.text[:300]}")
-    obj = resp.json()
     usage = obj.get("usage") or {}
     choices = obj.get("choices") or [{}]
     text = (choices[0].get("message") or {}).get("content") if target.endpoint == "chat" \
@@ -150,7 +154,24 @@ async def _whole_request(client: httpx.AsyncClient, target: Target, prompt: str,
                          prompt_tokens=usage.get("prompt_tokens"), text=text or "")
 
 
-async def stream_request(client: httpx.AsyncClient, target: Target, prompt: str) -> RequestResult:
+async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The payloads of a response's `data:` lines, as they arrive (stripped bytes), up to
+    `[DONE]`. Lines are split here rather than by aiohttp's readline, which caps a line's
+    length."""
+    buf = b""
+    async for piece in resp.content.iter_any():
+        buf += piece
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield data
+
+
+async def stream_request(client: aiohttp.ClientSession, target: Target,
+                         prompt: str) -> RequestResult:
     """Send one request (streamed unless `target.stream` is false) and time it. Never
     raises for server or network errors: they come back as `ok=False` with `error` set."""
     chat = target.endpoint == "chat"
@@ -163,17 +184,12 @@ async def stream_request(client: httpx.AsyncClient, target: Target, prompt: str)
     try:
         if not target.stream:
             return await _whole_request(client, target, prompt, start)
-        async with client.stream("POST", target.url, json=target.payload(prompt)) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
+        async with client.post(target.url, json=target.payload(prompt)) as resp:
+            if resp.status != 200:
+                body = await resp.text(errors="replace")
                 return RequestResult(False, time.perf_counter() - start,
-                                     error=f"HTTP {resp.status_code}: {body[:300]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+                                     error=f"HTTP {resp.status}: {body[:300]}")
+            async for data in _sse_data(resp):
                 now = time.perf_counter()
                 obj = json.loads(data)
                 if obj.get("error"):
@@ -189,7 +205,7 @@ async def stream_request(client: httpx.AsyncClient, target: Target, prompt: str)
                             itl.append(now - last)
                         last = now
                         parts.append(piece)
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, OSError) as e:
         return RequestResult(False, time.perf_counter() - start,
                              error=f"{type(e).__name__}: {e}")
     e2e = time.perf_counter() - start
@@ -203,7 +219,7 @@ async def stream_request(client: httpx.AsyncClient, target: Target, prompt: str)
     )
 
 
-async def run_concurrent(client: httpx.AsyncClient, target: Target, prompts: Sequence[str],
+async def run_concurrent(client: aiohttp.ClientSession, target: Target, prompts: Sequence[str],
                          concurrency: int) -> tuple[list[RequestResult], float]:
     """Send one request per prompt, at most `concurrency` in flight; returns the results
     (in prompt order) and the wall time in seconds from first send to last answer."""
