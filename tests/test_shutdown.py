@@ -111,8 +111,9 @@ async def streams_then_sigterm(url: str, proc: subprocess.Popen, lengths: list[i
 
 
 def test_sigterm_drains_then_aborts_with_final_events(tmp_path: Path) -> None:
-    # 15 s lets 4-token streams finish even on a loaded machine; 960-token ones cannot.
-    with serve(tmp_path, "--shutdown-timeout", "15") as (proc, url, log):
+    # The signal comes once every stream flows: 8 s lets the 4-token ones finish even on a
+    # loaded machine (a few steps each), and is too short for the 960-token ones on a fast one.
+    with serve(tmp_path, "--shutdown-timeout", "8") as (proc, url, log):
         lengths = [4] * 3 + [960] * 5
         results, during = asyncio.run(streams_then_sigterm(url, proc, lengths))
         assert proc.wait(timeout=60) == 0
