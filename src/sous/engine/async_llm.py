@@ -24,8 +24,11 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 from sous.config.engine import EngineConfig
 from sous.engine.core import EngineCore
+from sous.engine.cpu_threads import allowed_cpus
 from sous.engine.dp.lockstep import IDLE_POLL_S
 from sous.engine.errors import EngineDeadError
 from sous.engine.outputs import RequestOutput
@@ -36,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 KV_TRANSFER_POLL_S = 0.002
 """Engine loop period while it only waits on KV transfers (P/D reads, kept blocks)."""
+FRONT_END_WAIT_S = 0.05
+"""Longest the engine thread waits for the server's event loop to pass a step's outputs on
+(`AsyncLLM._flush_outputs`)."""
 
 EngineStats = SchedulerStats
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStats", "merge_delta"]
@@ -100,9 +106,13 @@ class OutputCollector:
         raise self.error
 
 
-def _deliver(items: list[tuple[OutputCollector, RequestOutput | BaseException]]) -> None:
+def _deliver(items: list[tuple[OutputCollector, RequestOutput | BaseException]],
+             done: threading.Event | None) -> None:
     for collector, item in items:
         collector.put(item)
+    if done is not None:  # set once the consumers woken above have run (two loop turns on)
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, done.set)
 
 
 class Outbox:
@@ -116,17 +126,22 @@ class Outbox:
     def sink(self, collector: OutputCollector) -> Callable[[RequestOutput | BaseException], None]:
         return lambda item: self.items.append((collector, item))
 
-    def flush(self) -> None:
-        if not self.items:
-            return
+    def flush(self, done: threading.Event | None = None) -> None:
+        """Hand the outputs over. `done` is set once a consumer loop has run the consumers
+        they wake (at once if none is listening)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for collector, item in self.items:
             by_loop.setdefault(collector.loop, []).append((collector, item))
         self.items = []
         for loop, items in by_loop.items():
-            # RuntimeError: that loop is closed, so nobody is listening.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_deliver, items)
+            try:
+                loop.call_soon_threadsafe(_deliver, items, done)
+            except RuntimeError:  # that loop is closed, so nobody is listening
+                pass
+            else:
+                done = None
+        if done is not None:
+            done.set()
 
 
 class AsyncLLM:
@@ -303,6 +318,7 @@ class AsyncLLM:
         ends, pending and running requests are failed with EngineDeadError."""
         self._loop_running.set()
         reason = "The server is shutting down."
+        wait_front_end = self._front_end_shares_cpus()
         try:
             idle = False
             while not self._stopped:
@@ -320,7 +336,7 @@ class AsyncLLM:
                 if (self.core.step_sync is not None or self.core.has_unfinished_requests()
                         or self.core.has_pending_kv_transfers()):
                     idle = self.core.step() == 0
-                self._outbox.flush()
+                self._flush_outputs(wait_front_end)
                 self._stats = self.core.stats()
         except KeyboardInterrupt:
             self._stopped = True
@@ -332,6 +348,27 @@ class AsyncLLM:
         finally:
             self._loop_running.clear()
             self._end(reason)
+
+    def _front_end_shares_cpus(self) -> bool:
+        """Whether the step's threads occupy every CPU this process may use (vLLM-CPU's
+        default binding), so that the server's event loop can only run on a core the next
+        step needs."""
+        if self.core.device.type != "cpu":
+            return False
+        return torch.get_num_threads() >= len(allowed_cpus())
+
+    def _flush_outputs(self, wait_front_end: bool) -> None:
+        """Hand the step's outputs to their consumers. With `wait_front_end` and outputs for
+        several requests, wait (at most `FRONT_END_WAIT_S`) until the event loop has run
+        their consumers before the next step starts: that work then runs between steps
+        instead of preempting a step thread, which on a full machine holds up the other step
+        threads at every barrier of the step. One request's output is left to overlap."""
+        if wait_front_end and len(self._outbox.items) > 1:
+            done = threading.Event()
+            self._outbox.flush(done)
+            done.wait(FRONT_END_WAIT_S)
+        else:
+            self._outbox.flush()
 
     def _wait_timeout(self, idle: bool) -> float | None:
         """How long the loop waits for new work: forever with nothing to do, not at all
