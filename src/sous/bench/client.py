@@ -137,13 +137,18 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
             or delta.get("reasoning") or "")
 
 
+async def _http_error(resp: aiohttp.ClientResponse, start: float) -> RequestResult:
+    """A failed request's result: the status and the start of the body."""
+    body = await resp.text(errors="replace")
+    return RequestResult(False, time.perf_counter() - start,
+                         error=f"HTTP {resp.status}: {body[:300]}")
+
+
 async def _whole_request(client: aiohttp.ClientSession, target: Target, prompt: str,
                          start: float) -> RequestResult:
     async with client.post(target.url, json=target.payload(prompt)) as resp:
         if resp.status != 200:
-            body = await resp.text(errors="replace")
-            return RequestResult(False, time.perf_counter() - start,
-                                 error=f"HTTP {resp.status}: {body[:300]}")
+            return await _http_error(resp, start)
         obj = await resp.json(content_type=None)
     e2e = time.perf_counter() - start
     usage = obj.get("usage") or {}
@@ -186,9 +191,7 @@ async def stream_request(client: aiohttp.ClientSession, target: Target,
             return await _whole_request(client, target, prompt, start)
         async with client.post(target.url, json=target.payload(prompt)) as resp:
             if resp.status != 200:
-                body = await resp.text(errors="replace")
-                return RequestResult(False, time.perf_counter() - start,
-                                     error=f"HTTP {resp.status}: {body[:300]}")
+                return await _http_error(resp, start)
             async for data in _sse_data(resp):
                 now = time.perf_counter()
                 obj = json.loads(data)

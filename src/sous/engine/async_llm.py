@@ -133,14 +133,14 @@ class Outbox:
         for collector, item in self.items:
             by_loop.setdefault(collector.loop, []).append((collector, item))
         self.items = []
+        handed = False
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items, done)
+                loop.call_soon_threadsafe(_deliver, items, None if handed else done)
+                handed = True
             except RuntimeError:  # that loop is closed, so nobody is listening
                 pass
-            else:
-                done = None
-        if done is not None:
+        if done is not None and not handed:
             done.set()
 
 
