@@ -2,11 +2,14 @@
 drafts, on the bundled SmolLM2-135M, one stream and 16 at once. Prints JSON.
 
     python benchmarks/spec_decode.py [--methods off,ngram,suffix,eagle3] [--concurrency 1,16]
-                                     [--eagle3-head DIR] [--workloads edit,code,essay,chat]
+                                     [--eagle3-head DIR] [--draft-confidence-threshold T]
+                                     [--workloads edit,code,essay,chat]
                                      [--num-speculative-tokens 3] [--disable-by-batch-size N]
                                      [--rounds 3] [--max-tokens 160] [--output F]
 
-`eagle3` needs `--eagle3-head`, a head `sous draft train --out DIR` wrote. One `sous serve` per
+`eagle3` needs `--eagle3-head`, a head `sous draft train --out DIR` wrote; `eagle3-threshold`
+is the same head with `draft_confidence_threshold` T (`--draft-confidence-threshold`, default
+0.6: a request drafts only tokens the head gives at least that probability). One `sous serve` per
 method (the same flags otherwise), greedy chat requests, four workloads:
 
 - `edit`: "rewrite this text, changing one word": a copy/edit workload, the case n-gram and
@@ -163,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--methods", default="off,ngram,suffix",
-                   help=f"comma list of {','.join(METHODS)},eagle3; off is always measured")
-    p.add_argument("--eagle3-head", type=Path, help="EAGLE-3 head folder (method eagle3)")
+                   help=f"comma list of {','.join(METHODS)},eagle3,eagle3-threshold; off is "
+                        "always measured")
+    p.add_argument("--eagle3-head", type=Path,
+                   help="EAGLE-3 head folder (methods eagle3, eagle3-threshold)")
+    p.add_argument("--draft-confidence-threshold", type=float, default=0.6,
+                   help="draft_confidence_threshold of method eagle3-threshold")
     p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
                    help=f"comma list of {','.join(WORKLOADS)}")
     p.add_argument("--num-speculative-tokens", type=int, default=3,
@@ -179,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.eagle3_head is not None:
         METHODS["eagle3"] = {"method": "eagle3", "model": str(args.eagle3_head.resolve()),
                              "num_speculative_tokens": 3}
-    elif "eagle3" in methods:
-        p.error("method eagle3 needs --eagle3-head DIR (from `sous draft train --out DIR`)")
+        METHODS["eagle3-threshold"] = {
+            **METHODS["eagle3"], "draft_confidence_threshold": args.draft_confidence_threshold}
+    elif {"eagle3", "eagle3-threshold"} & set(methods):
+        p.error("methods eagle3 and eagle3-threshold need --eagle3-head DIR (from `sous draft "
+                "train --out DIR`)")
     if args.disable_by_batch_size is not None:
         for config in METHODS.values():
             if config is not None:

@@ -135,6 +135,24 @@ def test_greedy_alone_equals_plain_decoding_and_drafts_are_accepted(baseline, sp
         "vllm:spec_decode_num_accepted_tokens_total"]
 
 
+def test_confidence_threshold_drafts_only_sure_tokens(baseline, eagle3_head: Path,
+                                                      tmp_path: Path) -> None:
+    """`draft_confidence_threshold`: the recipe's EAGLE-3 config plus a threshold answers the
+    same, and chains end early (fewer draft tokens per draft than k = 3, which the head drafts
+    on every step without it)."""
+    config = {**SPECS["eagle3"], "model": str(eagle3_head), "draft_confidence_threshold": 0.6}
+    args = [*SMALL_KV, "--speculative-config", json.dumps(config)]
+    with sous_serve(args, tmp_path / "threshold.log", env=ENV) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        for text in PROMPTS:
+            assert answer(chat(client, text)) == answer(chat(baseline, text)), text
+        m = metrics(url)
+    drafts, drafted = (m["vllm:spec_decode_num_drafts_total"],
+                       m["vllm:spec_decode_num_draft_tokens_total"])
+    assert drafts > 10 and drafted < 3 * drafts, (drafts, drafted)
+    assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0.5 * drafted
+
+
 def test_sixteen_concurrent_with_preemption_equal_plain_decoding(baseline, spec) -> None:
     url, client = spec
     texts = [f"{PROMPTS[i % 2]} (version {i})" for i in range(16)]

@@ -13,6 +13,7 @@ import torch
 from sous.config.errors import ConfigError
 from sous.engine.sampler import sample
 from sous.engine.spec_decode.config import MAX_SPEC_LEN, SpeculativeConfig
+from sous.engine.spec_decode.eagle_proposer import greedy_draft
 from sous.engine.spec_decode.metrics import SpecDecodingStats
 from sous.engine.spec_decode.ngram_proposer import NgramProposer
 from sous.engine.spec_decode.rejection_sampler import (
@@ -61,6 +62,9 @@ def test_model_based_methods() -> None:
         cfg(method="mtp", model="o/c", num_speculative_tokens=3).with_draft_n_predict(2)
     with pytest.raises(ConfigError, match="num_speculative_tokens is required"):
         c.with_draft_n_predict(None)
+    assert c.draft_confidence_threshold == 0.0
+    assert cfg(method="eagle3", model="x/y",
+               draft_confidence_threshold=0.4).draft_confidence_threshold == 0.4
 
 
 def test_suffix_defaults() -> None:
@@ -127,6 +131,14 @@ def test_suffix_defaults() -> None:
      ["disable_by_batch_size", "> 1"]),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "8"},
      ["disable_by_batch_size", "an integer"]),
+    ({"method": "eagle3", "model": "m/x", "draft_confidence_threshold": 1.5},
+     ["draft_confidence_threshold=1.5", "[0, 1]"]),
+    ({"method": "eagle3", "model": "m/x", "draft_confidence_threshold": "high"},
+     ["draft_confidence_threshold", "a number"]),
+    ({"method": "suffix", "draft_confidence_threshold": 0.5},
+     ["draft_confidence_threshold", "'suffix'", "suffix_decoding_min_token_prob"]),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_confidence_threshold": 0.5},
+     ["draft_confidence_threshold", "'ngram'"]),
 ])
 def test_config_errors_name_the_field(data: dict, words: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -434,3 +446,13 @@ def test_metrics_counts_and_log_line() -> None:
         empty.observe(3, 1)
     with pytest.raises(ValueError):
         empty.observe(1, 2)
+
+
+def test_greedy_draft_gives_argmax_and_its_probability() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 5.0, -1.0]], dtype=torch.bfloat16)
+    ids, probs = greedy_draft(logits, True)
+    assert ids.tolist() == [1, 0]
+    expected = torch.softmax(logits.float(), -1)[torch.arange(2), ids]
+    assert probs is not None and probs.dtype == torch.float32 and torch.equal(probs, expected)
+    assert torch.equal(greedy_draft(logits, False)[0], ids) and greedy_draft(logits, False)[1] is None
+

@@ -32,6 +32,7 @@ from torch import nn
 from sous.config.errors import ConfigError
 from sous.engine.attention import AttentionMetadata
 from sous.engine.kv_cache.spec import KVCacheSpec
+from sous.engine.spec_decode.eagle_proposer import greedy_draft
 from sous.models.layers.embedding import make_embedding
 from sous.models.layers.int8_linear import quantize_linears
 from sous.models.layers.linear import make_linear
@@ -117,9 +118,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
 
     def draft_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens (target ids) from post-norm hidden states `[N, H]`."""
-        assert self.lm_head is not None
-        ids = self.lm_head.forward(hidden).argmax(dim=-1)
-        return ids if self.d2t is None else self.d2t[ids]
+        return self.draft_tokens(0, hidden, False)[0]
 
     # `DraftModel` (sous.engine.spec_decode.eagle_proposer): every step is the same head.
     def first_hidden(self, target: Any, index: torch.Tensor) -> torch.Tensor:
@@ -130,8 +129,11 @@ class Eagle3LlamaForCausalLM(nn.Module):
                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         return self.forward(input_ids, positions, hidden, kv_caches[0], meta)
 
-    def draft_tokens(self, j: int, out: torch.Tensor) -> torch.Tensor:
-        return self.draft_argmax(out)
+    def draft_tokens(self, j: int, out: torch.Tensor, with_probs: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self.lm_head is not None
+        ids, probs = greedy_draft(self.lm_head.forward(out), with_probs)
+        return (ids if self.d2t is None else self.d2t[ids]), probs
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: dict[str, torch.Tensor], target: nn.Module,

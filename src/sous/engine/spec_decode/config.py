@@ -105,6 +105,11 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     """Schedule no drafts while more than this many requests are running or waiting (at
     least 2; None: always draft)."""
+    draft_confidence_threshold: float = 0.0
+    """`eagle` / `eagle3` / `mtp`: a request's drafts end at the first draft token whose
+    probability under the drafter is below this (the first draft included: then the request
+    drafts nothing this step), in [0, 1]. 0: always draft k (the name of vLLM's proposal for
+    dynamic speculation length, which averages over the batch; sous decides per request)."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
@@ -136,6 +141,7 @@ class SpeculativeConfig:
         d["num_speculative_tokens"] = k
         if k is not None:
             _check_k(k)
+        _check_confidence(method, d.get("draft_confidence_threshold", 0.0))
         if (limit := d.get("disable_by_batch_size")) is not None and limit < 2:
             raise ConfigError(f"{FLAG}: disable_by_batch_size must be > 1, got {limit}")
         tp = d.get("draft_tensor_parallel_size")
@@ -283,6 +289,16 @@ def _check_suffix(d: dict[str, Any]) -> None:
         v = d.get(name, default)
         if not ok(v):
             raise ConfigError(f"{FLAG}: {name}={v} must be {want}")
+
+
+def _check_confidence(method: str, threshold: float) -> None:
+    if not 0 <= threshold <= 1:
+        raise ConfigError(f"{FLAG}: draft_confidence_threshold={threshold} must be in [0, 1]")
+    if threshold and method in ("ngram", "suffix"):
+        raise ConfigError(f"{FLAG}: draft_confidence_threshold applies to drafter models "
+                          f"(eagle, eagle3, mtp), not method {method!r}"
+                          + (" (suffix has suffix_decoding_min_token_prob)"
+                             if method == "suffix" else ""))
 
 
 def _check_k(k: int) -> None:

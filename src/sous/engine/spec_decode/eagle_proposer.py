@@ -10,7 +10,10 @@ KV cache at i with the target's block table. Requests that sampled and may be dr
 feeds draft j and the drafter's step-j hidden state one position on (step j), writing the
 drafter's KV into the lookahead slots the scheduler allocated
 (`SpeculativeConfig.num_lookahead_tokens`). A request stops drafting where its allocated
-blocks or `max_model_len` end.
+blocks or `max_model_len` end, and (with a `confidence_threshold`, vLLM's
+`draft_confidence_threshold`) at its first draft token whose probability under the drafter is
+below the threshold: that token and the rest of its chain are not proposed, so a request the
+drafter is unsure of costs the next step nothing to verify.
 
 The drafter's KV at a position is rewritten by the next step whenever the target revisits it
 (rejected drafts' positions are recomputed), so every draft reads the drafter's KV of accepted
@@ -44,22 +47,35 @@ class DraftModel(Protocol):
         """Step j over `[T]` tokens: (output for `draft_tokens`, hidden input of step j + 1)."""
         ...
 
-    def draft_tokens(self, j: int, out: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens (target ids) `[N]` from step j's outputs `[N, ...]`."""
+    def draft_tokens(self, j: int, out: torch.Tensor, with_probs: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy draft tokens (target ids) `[N]` from step j's outputs `[N, ...]`, and with
+        `with_probs` each one's probability under the drafter (`greedy_draft`)."""
         ...
+
+
+def greedy_draft(logits: torch.Tensor, with_probs: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Argmax ids `[N]` of `logits` `[N, V]` and, with `with_probs`, their softmax
+    probabilities `[N]` (float32)."""
+    ids = logits.argmax(dim=-1)
+    if not with_probs:
+        return ids, None
+    return ids, torch.softmax(logits.float(), dim=-1).gather(1, ids[:, None])[:, 0]
 
 
 @dataclass
 class _Chains:
-    """Requests drafting this step: ids, batch rows, the last position of each, and per
-    request the drafter's next hidden input and draft token of that position (device
-    tensors)."""
+    """Requests drafting this step: ids, batch rows, the last position of each, per request
+    the drafter's next hidden input and draft token of that position (device tensors), and
+    whether that token clears the confidence threshold."""
 
     req_ids: list[str]
     rows: np.ndarray
     positions: np.ndarray
     hidden: torch.Tensor
     tokens: torch.Tensor
+    confident: np.ndarray
 
 
 class EagleProposer:
@@ -69,13 +85,15 @@ class EagleProposer:
     uses_target_step = True
 
     def __init__(self, model: DraftModel, kv_caches: list[torch.Tensor], block_size: int,
-                 num_speculative_tokens: int, max_model_len: int, device: torch.device) -> None:
+                 num_speculative_tokens: int, max_model_len: int, device: torch.device,
+                 confidence_threshold: float = 0.0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.device = device
+        self.confidence_threshold = confidence_threshold
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
                 target: TargetStep | None) -> dict[str, list[int]]:
@@ -85,7 +103,7 @@ class EagleProposer:
         if chains is None:
             return {}
         room = self._room(batch, chains)
-        keep = np.flatnonzero(room >= 1)
+        keep = np.flatnonzero((room >= 1) & chains.confident)
         chains, room = _select(chains, keep), room[keep]
         steps = [chains]
         for j in range(1, self.k):
@@ -93,7 +111,8 @@ class EagleProposer:
             if not len(live):
                 break
             chains = self._step(j, batch, chains, live)
-            room = room[live]
+            keep = np.flatnonzero(chains.confident)
+            chains, room = _select(chains, keep), room[live][keep]
             steps.append(chains)
         out: dict[str, list[int]] = {}
         for step in steps:
@@ -131,8 +150,7 @@ class EagleProposer:
             return None
         last = np.array([ends[r] for r in req_ids], dtype=np.int64)
         last_t = torch.from_numpy(last).to(dev)
-        return _Chains(req_ids, chain_rows, positions[last], hidden[last_t],
-                       self.model.draft_tokens(0, out[last_t]))
+        return self._chains(0, req_ids, chain_rows, positions[last], hidden[last_t], out[last_t])
 
     def _step(self, j: int, batch: InputBatch, chains: _Chains, live: np.ndarray) -> _Chains:
         """Draft j + 1 (step j) for the chains `live` (indices into `chains`)."""
@@ -145,7 +163,16 @@ class EagleProposer:
                                               torch.from_numpy(positions).to(dev),
                                               chains.hidden[live_t], self.kv_caches, meta)
         req_ids = [chains.req_ids[i] for i in live.tolist()]
-        return _Chains(req_ids, rows, positions, hidden, self.model.draft_tokens(j, out))
+        return self._chains(j, req_ids, rows, positions, hidden, out)
+
+    def _chains(self, j: int, req_ids: list[str], rows: np.ndarray, positions: np.ndarray,
+                hidden: torch.Tensor, out: torch.Tensor) -> _Chains:
+        """The chains after step j, with their draft tokens from the step's outputs `out`."""
+        threshold = self.confidence_threshold
+        tokens, probs = self.model.draft_tokens(j, out, threshold > 0)
+        confident = (np.ones(len(req_ids), dtype=bool) if probs is None
+                     else (probs >= threshold).cpu().numpy())
+        return _Chains(req_ids, rows, positions, hidden, tokens, confident)
 
     def _room(self, batch: InputBatch, chains: _Chains) -> np.ndarray:
         """Drafts each chain may make: draft j (1-based) writes the head's KV at the chain's
@@ -183,4 +210,5 @@ def _select(chains: _Chains, keep: np.ndarray) -> _Chains:
         return chains
     keep_t = torch.from_numpy(keep).to(chains.hidden.device)
     return _Chains([chains.req_ids[i] for i in keep.tolist()], chains.rows[keep],
-                   chains.positions[keep], chains.hidden[keep_t], chains.tokens[keep_t])
+                   chains.positions[keep], chains.hidden[keep_t], chains.tokens[keep_t],
+                   chains.confident[keep])

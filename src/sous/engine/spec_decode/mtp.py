@@ -18,6 +18,7 @@ import torch
 from sous.config.errors import ConfigError
 from sous.engine.attention import AttentionMetadata
 from sous.engine.spec_decode.config import FLAG
+from sous.engine.spec_decode.eagle_proposer import greedy_draft
 from sous.engine.spec_decode.proposer import TargetStep
 
 
@@ -53,5 +54,6 @@ class MTPDrafter:
         out = self.model.forward_mtp(0, input_ids, positions, hidden, kv_caches[0], meta)
         return out, out
 
-    def draft_tokens(self, j: int, out: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_mtp_logits(0, out).argmax(dim=-1)
+    def draft_tokens(self, j: int, out: torch.Tensor, with_probs: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return greedy_draft(self.model.compute_mtp_logits(0, out), with_probs)
