@@ -106,10 +106,11 @@ class SpeculativeConfig:
     """Schedule no drafts while more than this many requests are running or waiting (at
     least 2; None: always draft)."""
     draft_confidence_threshold: float = 0.0
-    """`eagle` / `eagle3` / `mtp`: a request's drafts end at the first draft token whose
-    probability under the drafter is below this (the first draft included: then the request
-    drafts nothing this step), in [0, 1]. 0: always draft k (the name of vLLM's proposal for
-    dynamic speculation length, which averages over the batch; sous decides per request)."""
+    """`eagle` / `eagle3` / `mtp`, in [0, 1]: a request's drafts end at the first draft token
+    whose probability under the drafter is below this (the first one included: then the
+    request drafts nothing this step). 0: always draft k. The name is that of vLLM's proposal
+    for dynamic speculation length, which averages the probability over the batch; sous
+    decides per request."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
