@@ -150,7 +150,8 @@ def test_confidence_threshold_drafts_only_sure_tokens(baseline, eagle3_head: Pat
     drafts, drafted = (m["vllm:spec_decode_num_drafts_total"],
                        m["vllm:spec_decode_num_draft_tokens_total"])
     assert drafts > 10 and drafted < 3 * drafts, (drafts, drafted)
-    assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0.5 * drafted
+    # Without the threshold 35 % of this head's drafts were accepted here, with it 69 %.
+    assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0.4 * drafted
 
 
 def test_sixteen_concurrent_with_preemption_equal_plain_decoding(baseline, spec) -> None:
