@@ -204,9 +204,10 @@ class Worker:
             draft_caches = self.draft_kv_cache_spec.allocate(num_blocks, cache.block_size,
                                                              self.device)
             self.runner.aux_hidden_state_layers = self.aux_layers
+            assert spec is not None  # a drafter is loaded only for a speculative config
             self.runner.proposer = EagleProposer(
                 self.draft, draft_caches, cache.block_size, k, max_model_len, self.device,
-                spec.draft_confidence_threshold if spec is not None else 0.0)
+                spec.draft_confidence_threshold)
         elif spec is not None and (self.pp_link is None or self.pp_link.is_last):
             self.runner.proposer = make_proposer(spec, max_model_len)  # drafts from the tokens
         if self.config.kv_transfer_config is not None:
