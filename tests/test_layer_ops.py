@@ -32,14 +32,15 @@ def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x.float(), w.shape, None, 1e-5).to(x.dtype) * w
 
 
+@pytest.mark.parametrize("hidden", [96, 40])  # 16-lane vector rows (AVX-512), scalar rows
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_torch(dtype: torch.dtype) -> None:
+def test_rms_norm_matches_torch(dtype: torch.dtype, hidden: int) -> None:
     g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(96, 1e-5, dtype)
-    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
     wide = torch.randn(7, 200, generator=g).to(dtype)
-    x = wide[:, 10:106]  # rows of a wider tensor, as a slice of a fused projection
-    res = torch.randn(7, 96, generator=g).to(dtype)
+    x = wide[:, 10:10 + hidden]  # rows of a wider tensor, as a slice of a fused projection
+    res = torch.randn(7, hidden, generator=g).to(dtype)
     x0, res0 = x.clone(), res.clone()
     out, summed = norm(x, res)
     assert torch.equal(summed, x + res)

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -232,6 +233,14 @@ struct Problem {
 // y[m, n0 + l] = v[l] (+ bias) for the lanes that are real rows.
 void store(const Problem& p, int64_t m, int64_t n0, const float* v) {
   const int64_t count = std::min(LANES, p.n - n0);
+#ifdef SOUS_AVX512
+  if (count == LANES && p.out_type == at::kBFloat16) {  // the loop below, 16 lanes at once
+    __m512 out = _mm512_loadu_ps(v);
+    if (p.bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(p.bias + n0));
+    bf16_store16(static_cast<c10::BFloat16*>(p.y) + m * p.n + n0, bf16_round16(out));
+    return;
+  }
+#endif
   for (int64_t l = 0; l < count; ++l) {
     const float out = p.bias != nullptr ? v[l] + p.bias[n0 + l] : v[l];
     if (p.out_type == at::kBFloat16) {

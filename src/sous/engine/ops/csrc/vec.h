@@ -5,6 +5,7 @@
 // way whichever rows are processed with it, so results stay batch-invariant.
 #pragma once
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -128,6 +129,30 @@ inline void convert_row(const void* src, KvType t, int n, float scale, float* ds
 }
 
 #ifdef SOUS_AVX512
+// bfloat16 <-> float32 for 16 lanes, bit-identical to c10::BFloat16's scalar conversions
+// (round to nearest even; NaN becomes 0x7FC0).
+inline __m512 bf16_load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The bfloat16 bits of v in the upper half of each lane, the lower half zero: the value as
+// stored in bfloat16, read back as float32 (round_t<BFloat16>).
+inline __m512 bf16_round16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000)));
+}
+
+// Stores an already rounded (bf16_round16) vector as 16 bfloat16 values.
+inline void bf16_store16(c10::BFloat16* p, __m512 rounded) {
+  const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(hi));
+}
+
 // The 16 horizontal sums of v[0..15], as one vector (lane j = sum of v[j]).
 inline __m512 hsum16(__m512* v) {
   __m512 w[8], x[4];
