@@ -207,6 +207,7 @@ def test_disable_by_batch_size_stops_drafts(limit: int | None, drafted: bool) ->
     for r in s.running:
         r.spec_token_ids = [7, 7]
     out = s.schedule()
+    assert out.drafting is drafted  # the worker's proposer is told to draft or not
     assert bool(out.scheduled_spec_decode_tokens) is drafted
     assert set(out.num_scheduled_tokens.values()) == ({3} if drafted else {1})
     assert all(not r.spec_token_ids for r in s.running)

@@ -154,6 +154,30 @@ def test_confidence_threshold_drafts_only_sure_tokens(baseline, eagle3_head: Pat
     assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0.4 * drafted
 
 
+def test_disable_by_batch_size_keeps_the_head_current(baseline, eagle3_head: Path,
+                                                      tmp_path: Path) -> None:
+    """EAGLE-3 with `disable_by_batch_size` 2: while more requests run, the head proposes
+    nothing (it only passes over the new tokens, keeping its KV cache whole); when the two short
+    answers end, the two long ones draft again mid-answer, their drafts are accepted, and every
+    answer equals plain decoding."""
+    config = {**SPECS["eagle3"], "model": str(eagle3_head), "disable_by_batch_size": 2}
+    args = [*SMALL_KV, "--speculative-config", json.dumps(config)]
+    asks = [(PROMPTS[0], 96), (PROMPTS[1], 96), (PROMPTS[2], 8), (PROMPTS[3], 12)]
+
+    def run(c: openai.OpenAI) -> list[tuple[str, str, int]]:
+        with ThreadPoolExecutor(len(asks)) as pool:
+            return list(pool.map(lambda a: answer(chat(c, a[0], max_tokens=a[1])), asks))
+
+    with sous_serve(args, tmp_path / "disable.log", env=ENV) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        assert run(client) == run(baseline)
+        m = metrics(url)
+    drafts, drafted = (m["vllm:spec_decode_num_drafts_total"],
+                       m["vllm:spec_decode_num_draft_tokens_total"])
+    assert 0 < drafts < 2 * 96, drafts  # only while at most 2 requests remain
+    assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0.2 * drafted, m
+
+
 def test_sixteen_concurrent_with_preemption_equal_plain_decoding(baseline, spec) -> None:
     url, client = spec
     texts = [f"{PROMPTS[i % 2]} (version {i})" for i in range(16)]

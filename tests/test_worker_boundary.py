@@ -237,8 +237,8 @@ def test_model_returns_aux_hidden_states(llm: LLM) -> None:
 
         uses_target_step = True
 
-        def propose(self, batch: object, sampled: object,
-                    target: TargetStep | None) -> dict[str, list[int]]:
+        def propose(self, batch: object, sampled: object, target: TargetStep | None,
+                    draft: bool = True) -> dict[str, list[int]]:
             assert target is not None
             steps.append(target)
             return {}

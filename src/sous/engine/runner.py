@@ -197,7 +197,7 @@ class ModelRunner:
                  if (s := self.requests[r]).generator is not None}
         try:
             result.merge(self._execute(req_ids, so))
-            return self._propose(result)
+            return self._propose(result, so.drafting)
         except Exception as e:
             self._target_step = None
             if is_device_fault(e) or self.lockstep:  # a re-run would be collectives (or
@@ -219,7 +219,7 @@ class ModelRunner:
                     raise
                 _fail(result, rid, e, "step")
         self._target_step = None  # the drafter's positions need the whole step at once
-        return self._propose(result)
+        return self._propose(result, so.drafting)
 
     def dummy_forward(self) -> None:
         """One token through the model, written to slot 0 of the null block (block 0, never
@@ -230,14 +230,15 @@ class ModelRunner:
         with torch.inference_mode():
             self.model(ids, meta.positions, self.kv_caches, meta)
 
-    def _propose(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
-        """The next step's drafts of the requests that sampled (module docstring)."""
+    def _propose(self, result: ModelRunnerOutput, drafting: bool) -> ModelRunnerOutput:
+        """The next step's drafts of the requests that sampled (module docstring); with
+        `drafting` False (`SchedulerOutput.drafting`) the proposer only keeps its state."""
         proposer, target, self._target_step = self.proposer, self._target_step, None
         if proposer is None or not (result.sampled_token_ids or proposer.uses_target_step):
             return result
         try:
             result.spec_token_ids = proposer.propose(self.input_batch, result.sampled_token_ids,
-                                                     target)
+                                                     target, draft=drafting)
         except Exception as e:
             if is_device_fault(e):
                 raise

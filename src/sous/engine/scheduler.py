@@ -143,7 +143,14 @@ class Scheduler:
                 out, [r for r, _ in scheduled])
         if scheduled:  # an empty step reaches no worker: the ids wait for the next one
             out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        out.drafting = self._drafting()
         return out
+
+    def _drafting(self) -> bool:
+        """Whether drafts are scheduled at the current number of requests
+        (`spec_disable_batch_size`)."""
+        limit = self.spec_disable_batch_size
+        return limit is None or len(self.running) + len(self.waiting) <= limit
 
     def _describe(self, out: SchedulerOutput, request: Request, n: int) -> None:
         """Add `request`'s share of the step to `out`: in full if the worker does not hold
@@ -181,8 +188,7 @@ class Scheduler:
 
     def _schedule_running(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput,
                           budget: int, max_num_reqs: int) -> int:
-        limit = self.spec_disable_batch_size
-        drafting = limit is None or len(self.running) + len(self.waiting) <= limit
+        drafting = self._drafting()
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < max_num_reqs:
             request = self.running[i]

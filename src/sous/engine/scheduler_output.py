@@ -82,10 +82,14 @@ class SchedulerOutput:
     grammar: GrammarOutput | None = None
     """Token bitmask of the structured-output rows (set by the engine after scheduling)."""
     kv_connector_metadata: KVConnectorMetadata | None = None
+    """The KV connector's plan for this step (loads, saves), for its worker side."""
     forward_required: bool = False
     """Expert parallel: another rank runs a forward pass this step, so this one must too (a
     one-token dummy pass when it has nothing to run): every MoE layer is a collective."""
-    """The KV connector's plan for this step (loads, saves), for its worker side."""
+    drafting: bool = True
+    """False while `disable_by_batch_size` keeps drafts out (more requests running or
+    waiting than it): the next step would drop drafts proposed after this one, so the worker's
+    proposer only keeps its per-request state."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -96,10 +96,10 @@ class EagleProposer:
         self.confidence_threshold = confidence_threshold
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
-                target: TargetStep | None) -> dict[str, list[int]]:
+                target: TargetStep | None, draft: bool = True) -> dict[str, list[int]]:
         if target is None:  # the step was re-run request by request: no drafts this once
             return {}
-        chains = self._first_pass(batch, sampled, target)
+        chains = self._first_pass(batch, sampled, target, draft)
         if chains is None:
             return {}
         room = self._room(batch, chains)
@@ -122,9 +122,10 @@ class EagleProposer:
 
     # ---------------------------------------------------------------- passes
     def _first_pass(self, batch: InputBatch, sampled: dict[str, list[int]],
-                    target: TargetStep) -> _Chains | None:
-        """Run step 0 over the step's kept positions; the chains of the requests that draft
-        (None when none does)."""
+                    target: TargetStep, draft: bool) -> _Chains | None:
+        """Run step 0 over the step's kept positions (the drafter's KV must cover every
+        position, drafting or not); the chains of the requests that draft (None when none
+        does, or not `draft`)."""
         inputs = target.inputs
         kept = _kept_lengths(inputs.req_ids, inputs.query_lens, inputs.num_logits, sampled)
         qsl = np.cumsum(inputs.query_lens) - inputs.query_lens
@@ -143,6 +144,8 @@ class EagleProposer:
         out, hidden = self.model.forward_step(0, torch.from_numpy(ids).to(dev),
                                               torch.from_numpy(positions).to(dev), hidden,
                                               self.kv_caches, meta)
+        if not draft:
+            return None
         ends = {inputs.req_ids[i]: e - 1 for i, e in zip(some.tolist(), np.cumsum(kept).tolist(),
                                                          strict=True)}
         req_ids, chain_rows = draftable(batch, [r for r in ends if r in sampled])

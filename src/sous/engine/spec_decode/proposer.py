@@ -47,10 +47,12 @@ class Proposer(Protocol):
     keeps per-position state), not only after steps that sampled."""
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
-                target: TargetStep | None) -> dict[str, list[int]]:
+                target: TargetStep | None, draft: bool = True) -> dict[str, list[int]]:
         """Drafts (1..k tokens; absent: no draft) for the requests of `sampled` (rows of
         `batch`, with the tokens this step appended to them). `target`: the step's forward
-        pass when `uses_target_step` (None when the step was re-run request by request)."""
+        pass when `uses_target_step` (None when the step was re-run request by request).
+        `draft` False (`SchedulerOutput.drafting`): update per-request state, propose
+        nothing."""
         ...
 
     def finish(self, req_ids: set[str]) -> None:
@@ -81,9 +83,9 @@ class NgramDrafter:
                                    config.num_speculative_tokens, max_model_len)
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
-                target: TargetStep | None = None) -> dict[str, list[int]]:
+                target: TargetStep | None = None, draft: bool = True) -> dict[str, list[int]]:
         ids, rows = draftable(batch, list(sampled))
-        if not ids:
+        if not ids or not draft:
             return {}
         drafts, counts = self.ngram.batch_propose(batch.token_ids, batch.num_tokens, rows)
         return {rid: drafts[i, :n].tolist()

@@ -47,7 +47,7 @@ class SuffixProposer:
             max_cached_requests=config.suffix_decoding_max_cached_requests)
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
-                target: TargetStep | None = None) -> dict[str, list[int]]:
+                target: TargetStep | None = None, draft: bool = True) -> dict[str, list[int]]:
         cache = self.cache
         for rid, tokens in sampled.items():
             if rid in cache.active_requests:
@@ -61,6 +61,8 @@ class SuffixProposer:
             cache.add_active_response(rid, _int32(batch.token_ids[row, num_prompt:
                                                                    batch.num_tokens[row]]))
         drafts: dict[str, list[int]] = {}
+        if not draft:  # the trees above keep up; nothing to speculate
+            return drafts
         ids, rows = draftable(batch, list(sampled))
         for rid, row in zip(ids, rows.tolist(), strict=True):
             num_tokens = int(batch.num_tokens[row])
