@@ -84,8 +84,10 @@ class NgramDrafter:
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]],
                 target: TargetStep | None = None, draft: bool = True) -> dict[str, list[int]]:
+        if not draft:
+            return {}
         ids, rows = draftable(batch, list(sampled))
-        if not ids or not draft:
+        if not ids:
             return {}
         drafts, counts = self.ngram.batch_propose(batch.token_ids, batch.num_tokens, rows)
         return {rid: drafts[i, :n].tolist()
