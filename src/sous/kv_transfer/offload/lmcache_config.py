@@ -129,7 +129,8 @@ def _check_disk(config: Any) -> None:
     for directory in str(config.local_disk).split(","):
         try:
             Path(directory).mkdir(parents=True, exist_ok=True)
-            probe = Path(directory) / ".sous-write-probe"
+            # one name per process: pipeline stages probe the same folder at once
+            probe = Path(directory) / f".sous-write-probe-{os.getpid()}"
             probe.write_bytes(b"x")
             probe.unlink()
         except OSError as e:
